@@ -1,0 +1,99 @@
+"""Page allocator: which pages of the pool hold which sequence. Pure Python, no torch."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised when an append needs more free pages than the pool has; nothing was changed."""
+
+
+@dataclass
+class Sequence:
+    """One sequence's pages, in token order, and its length in tokens."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class PageAllocator:
+    """Free list of `num_pages` pages of `page_size` tokens, shared by every layer's pool.
+
+    With `shuffle_seed` set, the free list starts in a seeded random order, so that the pages of a
+    sequence are scattered over the pool as in a server that has run for a while.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, shuffle_seed: int | None = None):
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        free = list(range(num_pages))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(free)
+        # Pages are taken from the end of the list; reversed so that an unshuffled pool hands out 0, 1, 2...
+        self._free: list[int] = free[::-1]
+        self._seqs: dict[object, Sequence] = {}
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def sequence(self, seq_id: object) -> Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id!r}") from None
+
+    @property
+    def sequence_ids(self) -> list[object]:
+        return list(self._seqs)
+
+    def pages_needed(self, seq_id: object, num_tokens: int) -> int:
+        """Pages that appending `num_tokens` tokens to `seq_id` would take from the free list."""
+        seq = self.sequence(seq_id)
+        return -(-(seq.length + num_tokens) // self.page_size) - len(seq.pages)
+
+    # -- changes ---------------------------------------------------------------------------------
+    def add(self, seq_id: object) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence id {seq_id!r} already exists")
+        self._seqs[seq_id] = Sequence()
+
+    def append(self, seq_id: object, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Reserve slots for `num_tokens` new tokens of `seq_id`; allocate pages as needed.
+
+        Returns (pages, slots): int64 arrays [num_tokens], the page and the slot within it of each new
+        token. Raises OutOfPagesError, changing nothing, when the free list is too short.
+        """
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        seq = self.sequence(seq_id)
+        need = self.pages_needed(seq_id, num_tokens)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"sequence {seq_id!r} needs {need} more pages for {num_tokens} tokens, "
+                f"but only {len(self._free)} of {self.num_pages} are free"
+            )
+        for _ in range(need):
+            seq.pages.append(self._free.pop())
+        positions = np.arange(seq.length, seq.length + num_tokens, dtype=np.int64)
+        table = np.asarray(seq.pages, dtype=np.int64)
+        pages = table[positions // self.page_size] if num_tokens else positions
+        seq.length += num_tokens
+        return pages, positions % self.page_size
+
+    def free(self, seq_id: object) -> None:
+        """Return the pages of `seq_id` to the free list and forget it."""
+        self.sequence(seq_id)  # raises KeyError for an unknown id
+        seq = self._seqs.pop(seq_id)
+        self._free.extend(reversed(seq.pages))

@@ -1,0 +1,1 @@
+"""Triton jit code only: the math helpers, the paged decode kernel and the merge kernel."""

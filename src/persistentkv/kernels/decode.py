@@ -1,0 +1,126 @@
+"""Paged GQA decode: one program computes every query head of one KV-head group over a token range.
+
+A task is (row, KV head, split): tokens [split * split_tokens, min((split + 1) * split_tokens, seq_len))
+of the row. Each K/V tile is loaded once and used for all GROUP query heads (padded to G_PAD >= 16 rows
+for tl.dot). A row read by one task writes its output directly; a row cut into several tasks writes
+normalized partials (o, lse) that merge.py combines.
+
+Grid: (rows, KV heads, max splits) for the split/grouped schedules (empty splits do nothing), or
+(programs,) for the persistent work-queue, each program walking tasks pid, pid + programs, ...
+"""
+import triton
+import triton.language as tl
+
+from .softmax import online_softmax_step
+
+
+
+@triton.jit
+def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi,
+                  stride_page, stride_tok, offs_d, d_mask, scale_log2,
+                  G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi)."""
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in tl.range(tok_lo, tok_hi, BLOCK_N):
+        tok = start + offs_n
+        valid = tok < tok_hi
+        page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=valid, other=0)
+        offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        if UPCAST:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            v = v.to(tl.float32)
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_task(row, kv_head, split,
+                 q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
+                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                 stride_qb, stride_qh, stride_ob, stride_oh,
+                 stride_page, stride_head, stride_tok,
+                 num_rows, split_tokens, scale_log2,
+                 NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
+    seq_len = tl.load(meta_ptr + row)
+    page_start = tl.load(meta_ptr + num_rows + row).to(tl.int64)
+    slot_start = tl.load(meta_ptr + 2 * num_rows + row)
+    tok_lo = split * split_tokens
+    tok_hi = tl.minimum(tok_lo + split_tokens, seq_len)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g                                                   # [G_PAD]
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)                      # [G_PAD, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    head_off = kv_head * stride_head  # < H * S * D: int32 is enough
+    acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + head_off, indices_ptr, page_start,
+                                  tok_lo, tok_hi, stride_page, stride_tok, offs_d, d_mask,
+                                  scale_log2, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, UPCAST)
+    if tok_lo < tok_hi:
+        l_safe = tl.where(g_mask, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse2 = m_i + tl.math.log2(l_safe)
+        store_mask = g_mask[:, None] & d_mask[None, :]
+        if slot_start < 0:
+            dst = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+            if RETURN_LSE:
+                tl.store(lse_ptr + row.to(tl.int64) * NUM_QO_HEADS + heads, lse2 * 0.6931471805599453,
+                         mask=g_mask)
+        else:
+            slot = (slot_start + split).to(tl.int64)
+            dst = part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
+            tl.store(dst, o, mask=store_mask)
+            tl.store(part_lse_ptr + slot * NUM_QO_HEADS + heads, lse2, mask=g_mask)
+
+
+@triton.jit
+def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
+                        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                        stride_qb, stride_qh, stride_ob, stride_oh,
+                        stride_page, stride_head, stride_tok,
+                        num_rows, num_tasks, split_tokens, scale_log2,
+                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr,
+                        RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
+    """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
+
+    meta: int32 [3, num_rows] = (seq_len, first entry of the row in indices, first partial slot or -1).
+    tasks: int32 [2, num_tasks] = (row, split), read only when PERSISTENT.
+    """
+    if PERSISTENT:
+        for t in tl.range(tl.program_id(0), num_tasks * NUM_KV_HEADS, tl.num_programs(0)):
+            task = t // NUM_KV_HEADS
+            row = tl.load(tasks_ptr + task)
+            split = tl.load(tasks_ptr + num_tasks + task)
+            _decode_task(row, t % NUM_KV_HEADS, split, q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
+                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                         stride_qb, stride_qh, stride_ob, stride_oh,
+                         stride_page, stride_head, stride_tok, num_rows, split_tokens, scale_log2,
+                         NUM_KV_HEADS * GROUP, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                         RETURN_LSE, UPCAST)
+    else:
+        _decode_task(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                     q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
+                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                     stride_qb, stride_qh, stride_ob, stride_oh,
+                     stride_page, stride_head, stride_tok, num_rows, split_tokens, scale_log2,
+                     NUM_KV_HEADS * GROUP, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                     RETURN_LSE, UPCAST)

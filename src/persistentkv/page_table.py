@@ -1,0 +1,48 @@
+"""A batch's page table, exported in FlashInfer's CSR form or as vLLM's block_table + seq_lens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Pages of each row of a decode batch, in token order.
+
+    row_pages: one int64 array of page indices per row; seq_lens: int64 [B] tokens per row.
+    """
+
+    row_pages: tuple[np.ndarray, ...]
+    seq_lens: np.ndarray
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.row_pages)
+
+    def csr(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kv_indptr [B+1], kv_indices [nnz], kv_last_page_len [B]), int32, as FlashInfer takes them."""
+        counts = np.array([len(p) for p in self.row_pages], dtype=np.int64)
+        indptr = np.zeros(self.batch_size + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        indices = np.concatenate(self.row_pages) if self.batch_size else np.zeros(0, np.int64)
+        last = np.where(self.seq_lens > 0, (self.seq_lens - 1) % self.page_size + 1, 0)
+        return tuple(
+            torch.from_numpy(a.astype(np.int32)).to(device) for a in (indptr, indices, last)
+        )  # type: ignore[return-value]
+
+    def block_table(self, device: torch.device | str = "cpu", *, pad_to: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_table [B, max_pages], seq_lens [B]), int32; unused entries are 0."""
+        width = max([len(p) for p in self.row_pages], default=0)
+        if pad_to is not None:
+            if pad_to < width:
+                raise ValueError(f"pad_to={pad_to} is smaller than the longest row's {width} pages")
+            width = pad_to
+        table = np.zeros((self.batch_size, max(width, 1)), dtype=np.int32)
+        for row, pages in enumerate(self.row_pages):
+            table[row, : len(pages)] = pages
+        return (torch.from_numpy(table).to(device),
+                torch.from_numpy(self.seq_lens.astype(np.int32)).to(device))

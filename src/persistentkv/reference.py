@@ -1,0 +1,68 @@
+"""Plain-torch float64 decode attention over a paged cache: the ground truth for tests and the benchmark.
+
+It shares no code with the kernels or the planner: it reads the page table row by row, gathers each
+row's K and V into a dense tensor, and runs softmax(q k^T * sm_scale) v in float64.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _split_pool(kv_cache, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as [P, S, H, D] views, whatever the layout."""
+    if isinstance(kv_cache, (tuple, list)):
+        k, v = kv_cache
+    else:
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    if layout == "HND":  # [P, H, S, D] -> [P, S, H, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v
+
+
+def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float | None = None,
+                     kv_indptr=None, kv_indices=None, kv_last_page_len=None,
+                     block_table=None, seq_lens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact decode attention. q: [B, Hq, D]. Returns (out [B, Hq, D] float64, lse [B, Hq] float64).
+
+    lse is the natural-log log-sum-exp of the scaled scores, sm_scale * q.k. Give the page table as
+    CSR (kv_indptr, kv_indices, kv_last_page_len) or as (block_table, seq_lens).
+    """
+    k_pool, v_pool = _split_pool(kv_cache, layout)
+    batch, num_qo_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = num_qo_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = torch.empty(batch, num_qo_heads, head_dim, dtype=torch.float64, device=q.device)
+    lse = torch.empty(batch, num_qo_heads, dtype=torch.float64, device=q.device)
+    for row in range(batch):
+        if block_table is not None:
+            length = int(seq_lens[row])
+            pages = block_table[row, : -(-length // page_size)].long()
+        else:
+            lo, hi = int(kv_indptr[row]), int(kv_indptr[row + 1])
+            pages = kv_indices[lo:hi].long()
+            length = (hi - lo - 1) * page_size + int(kv_last_page_len[row])
+        pages = pages.to(k_pool.device)
+        keys = k_pool[pages].reshape(-1, num_kv_heads, head_dim)[:length].double()    # [L, Hkv, D]
+        values = v_pool[pages].reshape(-1, num_kv_heads, head_dim)[:length].double()  # [L, Hkv, D]
+        keys, values = keys.to(q.device), values.to(q.device)
+        qg = q[row].double().view(num_kv_heads, group, head_dim)                         # [Hkv, G, D]
+        scores = torch.einsum("kgd,lkd->kgl", qg, keys) * scale                           # [Hkv, G, L]
+        lse[row] = torch.logsumexp(scores, dim=2).reshape(num_qo_heads)
+        probs = torch.softmax(scores, dim=2)
+        out[row] = torch.einsum("kgl,lkd->kgd", probs, values).reshape(num_qo_heads, head_dim)
+    return out, lse
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (inf when actual holds a NaN)."""
+    actual, expected = actual.double(), expected.double().to(actual.device)
+    if not torch.isfinite(actual).all():
+        return math.inf
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-300))
+
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+"""Relative-norm error bound per dtype: fp16 keeps 11 bits of mantissa, bf16 8."""

@@ -1,0 +1,84 @@
+"""Work assignment for one decode step: pure numpy, on the host, once per step.
+
+Every schedule cuts each row into splits of `split_pages` pages and runs one program per
+(row, KV head, split); they differ in how programs are laid out:
+    grouped   - one split per row; grid (B, Hkv, 1); no merge.
+    split     - grid (B, Hkv, max splits); empty splits of short rows exit at once; rows of several
+                splits are merged by a second launch.
+    workqueue - a compact list of the non-empty (row, split) tasks, longest first, walked by a
+                persistent grid of about programs_per_sm x SMs programs; then the same merge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+BACKENDS = ("grouped", "split", "workqueue")
+MAX_GRID_SPLITS = 65535  # CUDA's limit on the grid's third dimension
+MIN_SPLIT_TOKENS = 128
+PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the launcher needs. meta: int32 [3, B] = (seq_len, page start, slot start or -1);
+    tasks: int32 [2, T] = (row, split) for the work-queue, else empty; merge_rows: int32 [M]."""
+
+    backend: str
+    split_pages: int
+    split_tokens: int
+    meta: np.ndarray
+    tasks: np.ndarray
+    merge_rows: np.ndarray
+    num_slots: int
+    grid: tuple[int, ...]
+
+
+def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: int,
+                        sm_count: int) -> int:
+    """Split size that gives about PROGRAMS_PER_SM x SMs (row, KV head, split) tasks, >= 128 tokens."""
+    total_tokens = int(seq_lens.sum())
+    target_tasks = max(1, PROGRAMS_PER_SM * sm_count // num_kv_heads)
+    split_tokens = max(MIN_SPLIT_TOKENS, -(-total_tokens // target_tasks))
+    return max(1, -(-split_tokens // page_size))
+
+
+def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: str, page_size: int,
+                   num_kv_heads: int, sm_count: int, split_pages: int | None) -> Schedule:
+    """Plan one step. seq_lens, page_starts: int64 [B] (all seq_lens >= 1)."""
+    batch = len(seq_lens)
+    max_len = int(seq_lens.max()) if batch else 0
+    if backend == "grouped":
+        split_pages = max(1, -(-max_len // page_size))
+    elif split_pages is None:
+        split_pages = default_split_pages(seq_lens, page_size=page_size, num_kv_heads=num_kv_heads,
+                                          sm_count=sm_count)
+    split_tokens = split_pages * page_size
+    num_splits = -(-seq_lens // split_tokens)                                         # [B]
+    multi = num_splits > 1
+    slot_start = np.full(batch, -1, dtype=np.int64)
+    slot_start[multi] = np.cumsum(num_splits[multi]) - num_splits[multi]
+    num_slots = int(num_splits[multi].sum())
+    meta = np.stack([seq_lens, page_starts, slot_start]).astype(np.int32)
+    merge_rows = np.flatnonzero(multi).astype(np.int32)
+
+    tasks = np.zeros((2, 0), dtype=np.int32)
+    max_splits = int(num_splits.max()) if batch else 0
+    if backend == "workqueue":
+        rows = np.repeat(np.arange(batch, dtype=np.int64), num_splits)
+        first = np.cumsum(num_splits) - num_splits
+        splits = np.arange(len(rows), dtype=np.int64) - np.repeat(first, num_splits)
+        tokens = np.minimum(seq_lens[rows] - splits * split_tokens, split_tokens)
+        order = np.argsort(-tokens, kind="stable")                    # longest tasks first
+        tasks = np.stack([rows[order], splits[order]]).astype(np.int32)
+        programs = min(tasks.shape[1] * num_kv_heads, PROGRAMS_PER_SM * sm_count)
+        grid: tuple[int, ...] = (max(programs, 1),)
+    else:
+        if max_splits > MAX_GRID_SPLITS:
+            raise ValueError(f"split_pages={split_pages} cuts the longest row ({max_len} tokens) into "
+                             f"{max_splits} splits, over the grid's {MAX_GRID_SPLITS}; use larger "
+                             f"splits or backend='workqueue'")
+        grid = (batch, num_kv_heads, max(max_splits, 1))
+    return Schedule(backend=backend, split_pages=split_pages, split_tokens=split_tokens, meta=meta,
+                    tasks=tasks, merge_rows=merge_rows, num_slots=num_slots, grid=grid)

@@ -1,0 +1,294 @@
+"""DecodeWrapper: plan() once per decode step on the host, run() once per layer.
+
+    wrapper = DecodeWrapper(kv_layout="NHD")
+    wrapper.plan(kv_indptr=..., kv_indices=..., kv_last_page_len=..., num_qo_heads=32,
+                 num_kv_heads=8, head_dim=128, page_size=16, backend="workqueue")
+    out = wrapper.run(q, kv_cache)           # q [B, Hq, D] -> out [B, Hq, D]
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from .cache import CACHE_DTYPES, check_layout
+from .checks import check_positive_int, check_same_device, check_tensor
+from .kernels.decode import paged_decode_kernel
+from .kernels.merge import merge_partials_kernel
+from .runtime import check_interpreter_numpy, interpreting, sm_count
+from .schedule import BACKENDS, Schedule, build_schedule
+
+MAX_GROUP = 64
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Everything run() needs, fixed by plan(). Device tensors are views into one int32 buffer."""
+
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    sm_scale: float
+    schedule: Schedule
+    indices: torch.Tensor       # flat page indices: kv_indices, or block_table (row-major)
+    meta: torch.Tensor          # int32 [3, B]
+    tasks: torch.Tensor         # int32 [2, T]
+    merge_rows: torch.Tensor    # int32 [M]
+    max_page_index: int
+    device: torch.device
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().astype(np.int64)
+
+
+def _csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
+    """(seq_lens, page_starts, used page indices) from FlashInfer's CSR page table, checked."""
+    check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
+    check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
+    check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
+    batch = kv_last_page_len.shape[0]
+    if kv_indptr.shape[0] != batch + 1:
+        raise ValueError(f"kv_indptr must have batch_size + 1 = {batch + 1} entries (kv_last_page_len "
+                         f"has {batch}), got {kv_indptr.shape[0]}")
+    check_same_device(kv_indptr.device, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
+    indptr, last = _host(kv_indptr), _host(kv_last_page_len)
+    if indptr[0] != 0:
+        raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
+    pages = np.diff(indptr)
+    if (pages < 0).any():
+        row = int(np.flatnonzero(pages < 0)[0])
+        raise ValueError(f"kv_indptr must be non-decreasing, got kv_indptr[{row}]={indptr[row]} > "
+                         f"kv_indptr[{row + 1}]={indptr[row + 1]}")
+    if indptr[-1] > kv_indices.shape[0]:
+        raise ValueError(f"kv_indptr[-1]={indptr[-1]} is past the end of kv_indices "
+                         f"({kv_indices.shape[0]} entries)")
+    bad = np.flatnonzero((pages > 0) & ((last < 1) | (last > page_size)))
+    if len(bad):
+        r = int(bad[0])
+        raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
+    seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    return seq_lens, indptr[:-1], kv_indices[: int(indptr[-1])]
+
+
+def _block_rows(block_table, seq_lens, page_size: int):
+    """(seq_lens, page_starts, used page indices) from vLLM's block_table + seq_lens, checked."""
+    check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
+    if block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has "
+                         f"{seq_lens.shape[0]} entries")
+    check_same_device(block_table.device, seq_lens=seq_lens)
+    if block_table.shape[0] and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be contiguous along its last dim, got strides "
+                         f"{block_table.stride()}")
+    lens = _host(seq_lens)
+    width = block_table.shape[1]
+    over = np.flatnonzero(-(-lens // page_size) > width)
+    if len(over):
+        r = int(over[0])
+        raise ValueError(f"seq_lens[{r}]={lens[r]} needs {-(-lens[r] // page_size)} pages of "
+                         f"{page_size} tokens, but block_table has only {width} per row")
+    pages = -(-lens // page_size)
+    used = torch.arange(width, device=block_table.device)[None, :] < torch.from_numpy(pages).to(
+        block_table.device)[:, None]
+    starts = np.arange(len(lens), dtype=np.int64) * block_table.stride(0)
+    return lens, starts, block_table[used]
+
+
+def _cache_views(kv_cache, layout: str):
+    """(k, v, shape (P, H, S, D)) from a [P, 2, ...] pool or a (k, v) pair of [P, ...] tensors."""
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2:
+            raise ValueError(f"kv_cache as a sequence must be (k, v), got {len(kv_cache)} items")
+        k = check_tensor("kv_cache[0] (k)", kv_cache[0])
+        v = check_tensor("kv_cache[1] (v)", kv_cache[1])
+        if k.dim() != 4 or v.shape != k.shape:
+            raise ValueError(f"kv_cache (k, v) must be two 4-D tensors of one shape, got "
+                             f"{list(k.shape)} and {list(v.shape)}")
+        if v.dtype != k.dtype or v.device != k.device:
+            raise TypeError(f"kv_cache k and v differ: {k.dtype} on {k.device}, {v.dtype} on {v.device}")
+    else:
+        check_tensor("kv_cache", kv_cache)
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            want = "[P, 2, H, S, D] (HND)" if layout == "HND" else "[P, 2, S, H, D] (NHD)"
+            raise ValueError(f"kv_cache fits neither layout: expected {want} or a (k, v) pair, got "
+                             f"shape {list(kv_cache.shape)}")
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
+        raise ValueError(f"kv_cache must be contiguous along head_dim with equal K and V strides, got "
+                         f"{k.stride()} and {v.stride()}")
+    p, a, b, d = k.shape
+    heads, page = (a, b) if layout == "HND" else (b, a)
+    return k, v, (p, heads, page, d)
+
+
+class DecodeWrapper:
+    """Paged GQA decode attention with a page-aware schedule, planned once per step."""
+
+    def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None):
+        self.kv_layout = check_layout(kv_layout)
+        self._device = None if device is None else torch.device(device)
+        self._plan: DecodePlan | None = None
+        self._part_o = torch.empty(0)
+        self._part_lse = torch.empty(0)
+
+    @property
+    def plan_info(self) -> DecodePlan:
+        if self._plan is None:
+            raise RuntimeError("run() called before plan()")
+        return self._plan
+
+    def plan(self, *, kv_indptr: torch.Tensor | None = None, kv_indices: torch.Tensor | None = None,
+             kv_last_page_len: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+             seq_lens: torch.Tensor | None = None, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int, backend: str = "workqueue",
+             split_pages: int | None = None, sm_scale: float | None = None) -> DecodePlan:
+        """Plan one decode step from a CSR page table or from block_table + seq_lens.
+
+        CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
+        (in [1, page_size]). Block table (vLLM): block_table int32 [B, max_pages], seq_lens int32 [B].
+        backend: "grouped", "split" or "workqueue"; split_pages: pages per split (default: about
+        4 tasks per SM); sm_scale defaults to 1/sqrt(head_dim).
+        """
+        check_interpreter_numpy()
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("page_size", page_size)):
+            check_positive_int(name, value)
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        if num_qo_heads // num_kv_heads > MAX_GROUP:
+            raise ValueError(f"group size num_qo_heads/num_kv_heads={num_qo_heads // num_kv_heads} "
+                             f"is over the supported {MAX_GROUP}")
+        if head_dim % 16 or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if split_pages is not None:
+            check_positive_int("split_pages", split_pages)
+        if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
+                                         and sm_scale > 0):
+            raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
+
+        csr = (kv_indptr, kv_indices, kv_last_page_len)
+        block = (block_table, seq_lens)
+        if all(t is not None for t in csr) and all(t is None for t in block):
+            lens, starts, used = _csr_rows(*csr, page_size)
+            indices, device = kv_indices, kv_indices.device
+        elif all(t is not None for t in block) and all(t is None for t in csr):
+            lens, starts, used = _block_rows(*block, page_size)
+            indices, device = block_table, block_table.device
+        else:
+            raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
+                             "block_table and seq_lens, not a mix")
+        if self._device is not None and device != self._device:
+            raise ValueError(f"page table is on {device}, but the wrapper was built for {self._device}")
+        zero = np.flatnonzero(lens < 1)
+        if len(zero):
+            raise ValueError(f"row {int(zero[0])} has length {int(lens[zero[0]])}: every row needs at "
+                             f"least one token")
+        max_page = -1
+        if used.numel():
+            lo, hi = (int(x) for x in torch.aminmax(used))
+            if lo < 0:
+                raise ValueError(f"page index {lo} in the page table is negative")
+            max_page = hi
+
+        schedule = build_schedule(lens, starts, backend=backend, page_size=page_size,
+                                  num_kv_heads=num_kv_heads, sm_count=sm_count(device),
+                                  split_pages=split_pages)
+        packed = np.concatenate([schedule.meta.ravel(), schedule.tasks.ravel(), schedule.merge_rows])
+        packed = torch.from_numpy(packed.astype(np.int32)).to(device, non_blocking=True)
+        batch, n_tasks = len(lens), schedule.tasks.shape[1]
+        meta = packed[: 3 * batch].view(3, batch)
+        tasks = packed[3 * batch: 3 * batch + 2 * n_tasks].view(2, n_tasks)
+        merge_rows = packed[3 * batch + 2 * n_tasks:]
+        if schedule.num_slots:
+            need = schedule.num_slots * num_qo_heads
+            if self._part_lse.numel() < need or self._part_lse.device != device:
+                self._part_o = torch.empty(need * head_dim, dtype=torch.float32, device=device)
+                self._part_lse = torch.empty(need, dtype=torch.float32, device=device)
+        self._plan = DecodePlan(
+            batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, page_size=page_size,
+            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+            schedule=schedule, indices=indices, meta=meta, tasks=tasks, merge_rows=merge_rows,
+            max_page_index=max_page, device=device)
+        return self._plan
+
+    def run(self, q: torch.Tensor, kv_cache, *, out: torch.Tensor | None = None,
+            return_lse: bool = False):
+        """Decode attention for one layer.
+
+        q: [B, Hq, D] fp16/bf16, the cache's dtype. kv_cache: [P, 2, H, S, D] (HND) or [P, 2, S, H, D]
+        (NHD), or a (k, v) pair of [P, H, S, D] / [P, S, H, D]. Returns out [B, Hq, D] in q's dtype,
+        and with return_lse=True also lse [B, Hq] float32: the natural-log log-sum-exp of the
+        scaled scores, sm_scale * q.k.
+        """
+        plan = self.plan_info
+        check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
+        want = (plan.batch_size, plan.num_qo_heads, plan.head_dim)
+        if tuple(q.shape) != want:
+            raise ValueError(f"q must be [batch_size, num_qo_heads, head_dim] = {list(want)} as "
+                             f"planned, got {list(q.shape)}")
+        if q.stride(-1) != 1:
+            raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
+        k, v, (num_pages, heads, page, dim) = _cache_views(kv_cache, self.kv_layout)
+        if k.dtype != q.dtype:
+            raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
+        check_same_device(plan.device, q=q, kv_cache=k)
+        if (heads, page, dim) != (plan.num_kv_heads, plan.page_size, plan.head_dim):
+            raise ValueError(f"kv_cache ({self.kv_layout}) has num_kv_heads={heads}, page_size={page}, "
+                             f"head_dim={dim}; the plan has {plan.num_kv_heads}, {plan.page_size}, "
+                             f"{plan.head_dim}")
+        if plan.max_page_index >= num_pages:
+            raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
+                             f"pool of {num_pages} pages")
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        else:
+            check_tensor("out", out, dtype=q.dtype, dim=3)
+            if out.shape != q.shape or out.device != q.device or out.stride(-1) != 1:
+                raise ValueError(f"out must be like q ({list(q.shape)} on {q.device}, contiguous "
+                                 f"along head_dim), got {list(out.shape)} on {out.device}")
+        lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse
+               else out)  # unused pointer when not returned
+        if plan.batch_size:
+            self._launch(plan, q, k, v, out, lse, return_lse)
+        return (out, lse) if return_lse else out
+
+    def _launch(self, plan: DecodePlan, q, k, v, out, lse, return_lse: bool) -> None:
+        sched = plan.schedule
+        group = plan.num_qo_heads // plan.num_kv_heads
+        g_pad = max(16, triton.next_power_of_2(group))
+        d_pad = triton.next_power_of_2(plan.head_dim)
+        if self.kv_layout == "HND":   # k: [P, H, S, D]
+            stride_page, stride_head, stride_tok = k.stride(0), k.stride(1), k.stride(2)
+        else:                         # k: [P, S, H, D]
+            stride_page, stride_head, stride_tok = k.stride(0), k.stride(2), k.stride(1)
+        upcast = interpreting()
+        paged_decode_kernel[sched.grid](
+            q, k, v, plan.indices, plan.meta, plan.tasks, out, lse, self._part_o, self._part_lse,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            stride_page, stride_head, stride_tok,
+            plan.batch_size, sched.tasks.shape[1], sched.split_tokens,
+            plan.sm_scale * 1.4426950408889634,
+            NUM_KV_HEADS=plan.num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=plan.head_dim,
+            D_PAD=d_pad, PAGE_SIZE=plan.page_size, BLOCK_N=64 if d_pad <= 128 else 32,
+            PERSISTENT=sched.backend == "workqueue", RETURN_LSE=return_lse, UPCAST=upcast,
+            num_warps=4, num_stages=2,
+        )
+        if len(sched.merge_rows):
+            merge_partials_kernel[(len(sched.merge_rows), plan.num_kv_heads)](
+                plan.meta, plan.merge_rows, self._part_o, self._part_lse, out, lse,
+                out.stride(0), out.stride(1), plan.batch_size, sched.split_tokens,
+                NUM_QO_HEADS=plan.num_qo_heads, GROUP=group, G_PAD=g_pad,
+                HEAD_DIM=plan.head_dim, D_PAD=d_pad, RETURN_LSE=return_lse, num_warps=4,
+            )

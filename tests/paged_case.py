@@ -1,0 +1,51 @@
+"""Random paged decode problems with scattered page tables, for the tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from persistentkv import PageTable
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    kv_cache: object
+    table: PageTable
+    layout: str
+
+
+def make_case(*, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+              dtype=torch.float16, layout: str = "NHD", as_pair: bool = False, spare_pages: int = 3,
+              seed: int | None = None, device=DEVICE) -> Case:
+    """Unit-variance q and K/V; each row's pages drawn at random, without repeats, from the pool."""
+    gen = np.random.default_rng(seed)
+    pages_per_row = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(pages_per_row) + spare_pages
+    perm = gen.permutation(num_pages)
+    row_pages, at = [], 0
+    for n in pages_per_row:
+        row_pages.append(perm[at: at + n].astype(np.int64))
+        at += n
+    table = PageTable(row_pages=tuple(row_pages), seq_lens=np.asarray(seq_lens, dtype=np.int64),
+                      page_size=page_size)
+    inner = (num_kv_heads, page_size) if layout == "HND" else (page_size, num_kv_heads)
+    cache = torch.randn(num_pages, 2, *inner, head_dim, dtype=dtype, device=device)
+    kv_cache = (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_pair else cache
+    q = torch.randn(len(seq_lens), num_qo_heads, head_dim, dtype=dtype, device=device)
+    return Case(q=q, kv_cache=kv_cache, table=table, layout=layout)
+
+
+def csr_kwargs(table: PageTable, device=DEVICE) -> dict:
+    indptr, indices, last = table.csr(device)
+    return dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
+
+
+def block_kwargs(table: PageTable, device=DEVICE) -> dict:
+    block_table, seq_lens = table.block_table(device)
+    return dict(block_table=block_table, seq_lens=seq_lens)

@@ -1,0 +1,163 @@
+"""Every schedule against the float64 reference: both layouts, fp16 and bf16, curated shapes."""
+import pytest
+import torch
+
+from paged_case import ON_GPU, block_kwargs, csr_kwargs, make_case
+from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
+
+# (num_qo_heads, num_kv_heads, head_dim, page_size, seq_lens): odd lengths, last page full and
+# holding 1 token, mixed lengths in one batch, group sizes 1, 4, 5, 8, 7, 16.
+SHAPES = [
+    pytest.param(8, 2, 128, 16, [1, 17, 300, 64], id="g4-d128-p16-mixed"),
+    pytest.param(2, 2, 64, 16, [33, 161], id="g1-d64-p16"),
+    pytest.param(10, 2, 64, 8, [77, 9, 40], id="g5-d64-p8"),
+    pytest.param(8, 1, 64, 1, [50, 3], id="g8-d64-p1"),
+    pytest.param(4, 1, 64, 32, [32, 65, 200], id="g4-d64-p32"),
+    pytest.param(7, 1, 128, 64, [130, 64], id="g7-d128-p64"),
+]
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def check(case, wrapper, out, lse=None):
+    ref, ref_lse = reference_decode(case.q, case.kv_cache, layout=case.layout,
+                                    sm_scale=wrapper.plan_info.sm_scale, **csr_kwargs(case.table))
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[case.q.dtype], f"relative error {err:.2e} over {TOLERANCE[case.q.dtype]}"
+    if lse is not None:
+        lse_err = relative_error(lse, ref_lse)
+        assert lse_err <= 1e-5, f"lse relative error {lse_err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hq, hkv, dim, page, lens", SHAPES)
+def test_matches_reference(backend, layout, dtype, hq, hkv, dim, page, lens):
+    case = make_case(seq_lens=lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, page_size=page,
+                     dtype=dtype, layout=layout)
+    wrapper = DecodeWrapper(layout)
+    # small splits, so that split and work-queue cut rows into several tasks and merge them
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                 page_size=page, backend=backend, split_pages=max(1, 48 // page))
+    out = torch.full_like(case.q, float("nan"))
+    wrapper.run(case.q, case.kv_cache, out=out)
+    check(case, wrapper, out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_table_pair_cache_and_lse(backend):
+    """block_table + seq_lens input, a (k, v) pair cache, lse returned, default split size."""
+    case = make_case(seq_lens=[5, 250, 48, 1], num_qo_heads=16, num_kv_heads=4, head_dim=64,
+                     page_size=16, layout="HND", as_pair=True)
+    wrapper = DecodeWrapper("HND")
+    wrapper.plan(**block_kwargs(case.table), num_qo_heads=16, num_kv_heads=4, head_dim=64,
+                 page_size=16, backend=backend, sm_scale=0.3)
+    out, lse = wrapper.run(case.q, case.kv_cache, return_lse=True)
+    assert out.dtype == case.q.dtype and lse.dtype == torch.float32 and lse.shape == (4, 16)
+    check(case, wrapper, out, lse)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_dim_256_group_16(backend):
+    case = make_case(seq_lens=[70, 20], num_qo_heads=16, num_kv_heads=1, head_dim=256, page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=16, num_kv_heads=1, head_dim=256,
+                 page_size=16, backend=backend, split_pages=2)
+    check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+
+
+def test_page_size_128_and_one_plan_many_layers():
+    """One plan serves several layers' pools (each with its own data)."""
+    cases = [make_case(seq_lens=[129, 300], num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                       page_size=128, seed=7) for _ in range(2)]
+    # same page table (same seed), different data
+    for c in cases[1:]:
+        assert all((a == b).all() for a, b in zip(c.table.row_pages, cases[0].table.row_pages))
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(cases[0].table), num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                 page_size=128, backend="workqueue", split_pages=1)
+    for case in cases:
+        check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+
+
+def test_empty_batch():
+    case = make_case(seq_lens=[], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    out = wrapper.run(case.q, case.kv_cache)
+    assert out.shape == (0, 8, 64)
+
+
+def test_results_do_not_depend_on_the_schedule():
+    """The three schedules agree with each other far tighter than with the tolerance."""
+    case = make_case(seq_lens=[400, 3, 129], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    outs = []
+    for backend in BACKENDS:
+        wrapper = DecodeWrapper("NHD")
+        wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, backend=backend, split_pages=4)
+        outs.append(wrapper.run(case.q, case.kv_cache).float())
+    for other in outs[1:]:
+        assert (other - outs[0]).abs().max() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: long rows and big batches are too slow to interpret")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("lens", [[32768], [8192] * 8 + [1] * 8, list(range(1, 4000, 37))],
+                         ids=["B1-32K", "B16-mixed", "B109-ramp"])
+def test_gpu_large(backend, dtype, lens):
+    case = make_case(seq_lens=lens, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                     dtype=dtype)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                 page_size=16, backend=backend)
+    out = torch.full_like(case.q, float("nan"))
+    wrapper.run(case.q, case.kv_cache, out=out)
+    check(case, wrapper, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA and about 6 GB of device memory")
+def test_gpu_pool_past_2_pow_31_elements():
+    """Pages past element 2^31 of the pool: offsets must be int64."""
+    page_size, heads, dim = 16, 8, 128
+    num_pages = (2**31) // (2 * page_size * heads * dim) + 64          # > 2^31 elements in all
+    cache = torch.empty(num_pages, 2, page_size, heads, dim, dtype=torch.float16, device="cuda")
+    cache[-64:].normal_()
+    pages = torch.arange(num_pages - 64, num_pages, dtype=torch.int32, device="cuda").flip(0)
+    indptr = torch.tensor([0, 40, 64], dtype=torch.int32, device="cuda")
+    last = torch.tensor([16, 7], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 32, dim, dtype=torch.float16, device="cuda")
+    for backend in BACKENDS:
+        wrapper = DecodeWrapper("NHD")
+        wrapper.plan(kv_indptr=indptr, kv_indices=pages, kv_last_page_len=last, num_qo_heads=32,
+                     num_kv_heads=heads, head_dim=dim, page_size=page_size, backend=backend)
+        out = wrapper.run(q, cache)
+        ref, _ = reference_decode(q, cache, layout="NHD", kv_indptr=indptr, kv_indices=pages,
+                                  kv_last_page_len=last)
+        assert relative_error(out, ref) <= TOLERANCE[torch.float16], backend
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: a 1M-token row")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_one_million_tokens(backend):
+    case = make_case(seq_lens=[1 << 20], num_qo_heads=4, num_kv_heads=1, head_dim=64, page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
+                 backend=backend)
+    check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: 1024 rows")
+def test_gpu_batch_1024():
+    lens = torch.randint(1, 600, (1024,), generator=torch.Generator().manual_seed(3)).tolist()
+    case = make_case(seq_lens=lens, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    for backend in BACKENDS:
+        wrapper = DecodeWrapper("NHD")
+        wrapper.plan(**csr_kwargs(case.table), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                     page_size=16, backend=backend)
+        check(case, wrapper, wrapper.run(case.q, case.kv_cache))

@@ -1,0 +1,143 @@
+"""Bad input gets a ValueError or TypeError that names the argument and the value."""
+import pytest
+import torch
+
+from paged_case import block_kwargs, csr_kwargs, make_case
+from persistentkv import DecodeWrapper, PagedKVCache
+
+HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+
+
+@pytest.fixture
+def case():
+    return make_case(seq_lens=[20, 40], **HEADS)
+
+
+def planned(case, **kw):
+    wrapper = DecodeWrapper(case.layout)
+    wrapper.plan(**csr_kwargs(case.table), **{**HEADS, **kw})
+    return wrapper
+
+
+def test_q_and_cache_dtypes_differ(case):
+    with pytest.raises(TypeError, match="q.dtype=torch.bfloat16 differs"):
+        planned(case).run(case.q.bfloat16(), case.kv_cache)
+
+
+def test_q_not_fp16_or_bf16(case):
+    with pytest.raises(TypeError, match="q must have dtype"):
+        planned(case).run(case.q.float(), case.kv_cache)
+
+
+def test_head_counts_do_not_match_cache(case):
+    wrapper = planned(case, num_qo_heads=12, num_kv_heads=3)
+    q = torch.randn(2, 12, 64, dtype=torch.float16, device=case.q.device)
+    with pytest.raises(ValueError, match="num_kv_heads=2.*plan has 3"):
+        wrapper.run(q, case.kv_cache)
+
+
+def test_head_dim_does_not_match(case):
+    with pytest.raises(ValueError, match=r"q must be \[batch_size, num_qo_heads, head_dim\]"):
+        planned(case).run(case.q[..., :32], case.kv_cache)
+
+
+def test_group_not_integral(case):
+    with pytest.raises(ValueError, match="num_qo_heads=9 must be a multiple of num_kv_heads=2"):
+        planned(case, num_qo_heads=9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device: CUDA and the CPU")
+def test_tensors_on_different_devices(case):
+    with pytest.raises(ValueError, match="q is on cpu"):
+        planned(case).run(case.q.cpu(), case.kv_cache)
+
+
+def test_page_index_outside_pool(case):
+    indptr, indices, last = case.table.csr(case.q.device)
+    indices = indices.clone()
+    indices[1] = 10_000
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+    with pytest.raises(ValueError, match="page index 10000 .* outside the pool"):
+        wrapper.run(case.q, case.kv_cache)
+    indices[1] = -3
+    with pytest.raises(ValueError, match="page index -3"):
+        wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+
+
+def test_length_larger_than_pages_hold(case):
+    block_table, seq_lens = case.table.block_table(case.q.device)
+    seq_lens = seq_lens.clone()
+    seq_lens[0] = 1000
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=1000 needs 63 pages"):
+        DecodeWrapper("NHD").plan(block_table=block_table, seq_lens=seq_lens, **HEADS)
+    indptr, indices, last = case.table.csr(case.q.device)
+    last = last.clone()
+    last[1] = 17
+    with pytest.raises(ValueError, match=r"kv_last_page_len\[1\]=17 must be in \[1, page_size=16\]"):
+        DecodeWrapper("NHD").plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+
+
+def test_index_tensors_not_int32(case):
+    kw = csr_kwargs(case.table)
+    kw["kv_indices"] = kw["kv_indices"].long()
+    with pytest.raises(TypeError, match="kv_indices must have dtype torch.int32, got torch.int64"):
+        DecodeWrapper("NHD").plan(**kw, **HEADS)
+    kw = block_kwargs(case.table)
+    kw["seq_lens"] = kw["seq_lens"].long()
+    with pytest.raises(TypeError, match="seq_lens must have dtype torch.int32"):
+        DecodeWrapper("NHD").plan(**kw, **HEADS)
+
+
+def test_cache_fits_neither_layout(case):
+    bad = case.kv_cache[:, 0]                                    # 4-D, not a pair
+    with pytest.raises(ValueError, match="kv_cache fits neither layout"):
+        planned(case).run(case.q, bad)
+
+
+def test_zero_length_row():
+    case = make_case(seq_lens=[20, 40], **HEADS)
+    block_table, seq_lens = case.table.block_table(case.q.device)
+    seq_lens[1] = 0
+    with pytest.raises(ValueError, match="row 1 has length 0"):
+        DecodeWrapper("NHD").plan(block_table=block_table, seq_lens=seq_lens, **HEADS)
+
+
+def test_mixed_page_table_forms_and_bad_options(case):
+    kw = {**csr_kwargs(case.table), **block_kwargs(case.table)}
+    with pytest.raises(ValueError, match="not a mix"):
+        DecodeWrapper("NHD").plan(**kw, **HEADS)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        planned(case, backend="fast")
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        DecodeWrapper("NDH")
+    with pytest.raises(TypeError, match="page_size must be an int"):
+        planned(case, page_size=16.0)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
+        planned(case, head_dim=72)
+
+
+def test_kv_indptr_malformed(case):
+    indptr, indices, last = case.table.csr(case.q.device)
+    with pytest.raises(ValueError, match="kv_indptr must start at 0"):
+        DecodeWrapper("NHD").plan(kv_indptr=indptr + 1, kv_indices=indices, kv_last_page_len=last,
+                                  **HEADS)
+    with pytest.raises(ValueError, match="batch_size \\+ 1 = 3"):
+        DecodeWrapper("NHD").plan(kv_indptr=indptr[:2], kv_indices=indices, kv_last_page_len=last,
+                                  **HEADS)
+
+
+def test_run_before_plan(case):
+    with pytest.raises(RuntimeError, match="before plan"):
+        DecodeWrapper("NHD").run(case.q, case.kv_cache)
+
+
+def test_cache_constructor_and_append_checks():
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=16,
+                     dtype=torch.float32)
+    cache = PagedKVCache(num_layers=2, num_pages=4, page_size=4, num_kv_heads=1, head_dim=16)
+    cache.add_sequence(0)
+    kv = torch.zeros(1, 3, 1, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"k must be \[num_layers, n, num_kv_heads, head_dim\]"):
+        cache.append(0, kv, kv)
