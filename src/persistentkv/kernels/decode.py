@@ -78,15 +78,15 @@ def _decode_task(row, kv_head, split,
         lse2 = m_i + tl.math.log2(l_safe)
         store_mask = g_mask[:, None] & d_mask[None, :]
         if slot_start < 0:
-            dst = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=store_mask)
+            out_dst = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(out_dst, o.to(out_ptr.dtype.element_ty), mask=store_mask)
             if RETURN_LSE:
                 tl.store(lse_ptr + row.to(tl.int64) * NUM_QO_HEADS + heads, lse2 * 0.6931471805599453,
                          mask=g_mask)
         else:
             slot = (slot_start + split).to(tl.int64)
-            dst = part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
-            tl.store(dst, o, mask=store_mask)
+            part_dst = part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
+            tl.store(part_dst, o, mask=store_mask)
             tl.store(part_lse_ptr + slot * NUM_QO_HEADS + heads, lse2, mask=g_mask)
 
 
