@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 
 def choose_device() -> str:
@@ -26,6 +27,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(device=device, seed=args.seed)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    device = choose_device()
+    import torch
+
+    from .bench.runner import ModelShape, RunOptions
+    from .bench.suite import run_bench
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    shape = ModelShape(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
+                       head_dim=args.head_dim, page_size=args.page_size, dtype=dtype, layout=args.layout)
+    opts = RunOptions(layers=args.layers, samples=args.samples, seed=args.seed,
+                      memory_budget_gb=args.memory_gb)
+    return run_bench(device=torch.device(device), grid=args.grid,
+                     traces=args.traces.split(",") if args.traces else None,
+                     trace_file=args.trace_file, batch_slots=args.batch_slots,
+                     backends=args.backends.split(","), shape=shape, opts=opts,
+                     out_dir=Path(args.out), tag=args.tag)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .bench.report import make_report
+
+    paths = [Path(p) for p in args.results]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise SystemExit(f"no such results file: {', '.join(missing)}")
+    for p in make_report(paths, Path(args.out)):
+        print(f"wrote {p}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="persistentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +65,35 @@ def build_parser() -> argparse.ArgumentParser:
                                        "float64 reference (GPU if present, else the CPU interpreter)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
+
+    from .bench.backends import ALL_BACKENDS
+
+    bench = sub.add_parser("bench", help="trace-replay benchmark against FlashInfer and baselines "
+                                         "(GPU; on the CPU a tiny functional run)")
+    bench.add_argument("--grid", action="store_true", help="static batches B x L and fixed mixes")
+    bench.add_argument("--traces", help="comma-separated subset of the suite, e.g. b8-bimodal,b1-bucketed")
+    bench.add_argument("--trace-file", help="replay your own trace (JSONL or CSV: context_len, "
+                                            "output_len[, arrival_step])")
+    bench.add_argument("--batch-slots", type=int, default=8, help="slots for --trace-file")
+    bench.add_argument("--backends", default=",".join(ALL_BACKENDS))
+    bench.add_argument("--layers", type=int, default=32, help="layers, each with its own pool")
+    bench.add_argument("--samples", type=int, default=16, help="measured steps per trace")
+    bench.add_argument("--memory-gb", type=float, default=60.0, help="budget for all layers' pools")
+    bench.add_argument("--num-qo-heads", type=int, default=32)
+    bench.add_argument("--num-kv-heads", type=int, default=8)
+    bench.add_argument("--head-dim", type=int, default=128)
+    bench.add_argument("--page-size", type=int, default=16)
+    bench.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    bench.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default="results", help="folder for the JSON and CSV files")
+    bench.add_argument("--tag", help="file name stem of the results (default: traces or grid)")
+    bench.set_defaults(func=cmd_bench)
+
+    report = sub.add_parser("report", help="PNG plots from results JSON files")
+    report.add_argument("results", nargs="+")
+    report.add_argument("--out", default="results/plots")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Trace-replay benchmark: traces, backends, measurement, reports."""

@@ -1,0 +1,238 @@
+"""The decode backends the benchmark compares, behind one small interface.
+
+A backend is planned once per step from a `StepInputs` (the page table and shapes), then run once
+per layer. Every backend reads the same pools and queries and writes its own output buffers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+PKV_BACKENDS = ("grouped", "split", "workqueue")
+FLASHINFER_BACKENDS = ("fi-cuda-core", "fi-tensor-core", "fi-xqa")
+BASELINES = ("padded-sdpa", "per-sequence")
+ALL_BACKENDS = tuple(f"pkv-{b}" for b in PKV_BACKENDS) + FLASHINFER_BACKENDS + BASELINES
+
+
+class Unsupported(Exception):
+    """The backend cannot serve this configuration (reported, not timed)."""
+
+
+@dataclass
+class StepInputs:
+    """One decode step: page table in both forms (int32, on the device), per-layer q and pools."""
+
+    kv_indptr: torch.Tensor        # [B+1]
+    kv_indices: torch.Tensor       # [nnz]
+    kv_last_page_len: torch.Tensor # [B]
+    block_table: torch.Tensor      # [B, max_pages]
+    seq_lens: torch.Tensor         # [B]
+    seq_lens_host: list[int]
+    queries: list[torch.Tensor]    # per layer [B, Hq, D]
+    pools: list[torch.Tensor]      # per layer [P, 2, ...] in `layout`
+    layout: str
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+class Backend:
+    """plan(step) once per step on the host; run(layer) launches the layer's attention."""
+
+    name = "backend"
+
+    def plan(self, step: StepInputs) -> None:
+        raise NotImplementedError
+
+    def run(self, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PersistentKV(Backend):
+    def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None):
+        self.name = f"pkv-{schedule}"
+        from ..wrapper import DecodeWrapper  # imported late: the CLI picks the interpreter first
+
+        self.schedule, self.split_pages = schedule, split_pages
+        self.wrapper = DecodeWrapper(layout)
+
+    def plan(self, step: StepInputs) -> None:
+        self.step = step
+        self.wrapper.plan(kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
+                          kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
+                          num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
+                          page_size=step.page_size, backend=self.schedule,
+                          split_pages=self.split_pages)
+        self.outs = [torch.empty_like(q) for q in step.queries]
+
+    def run(self, layer: int) -> torch.Tensor:
+        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+
+
+def flashinfer_version() -> str | None:
+    try:
+        import flashinfer
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return getattr(flashinfer, "__version__", "unknown")
+
+
+class FlashInferWrapper(Backend):
+    """BatchDecodeWithPagedKVCacheWrapper, CUDA-core (tc=False) or tensor-core (tc=True) path."""
+
+    def __init__(self, *, use_tensor_cores: bool, layout: str, workspace: torch.Tensor):
+        import flashinfer
+
+        self.name = "fi-tensor-core" if use_tensor_cores else "fi-cuda-core"
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, layout, use_tensor_cores=use_tensor_cores)
+        self.use_tensor_cores = use_tensor_cores
+
+    def plan(self, step: StepInputs) -> None:
+        group = step.num_qo_heads // step.num_kv_heads
+        if not self.use_tensor_cores and group not in (1, 2, 3, 4, 6, 8):
+            raise Unsupported(f"FlashInfer's CUDA-core decode does not serve group size {group}")
+        self.step = step
+        dtype = step.queries[0].dtype
+        self.wrapper.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, step.num_qo_heads,
+                          step.num_kv_heads, step.head_dim, step.page_size, q_data_type=dtype,
+                          kv_data_type=dtype)
+        self.outs = [torch.empty_like(q) for q in step.queries]
+
+    def run(self, layer: int) -> torch.Tensor:
+        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+
+
+class FlashInferXQA(Backend):
+    """trtllm_batch_decode_with_kv_cache (XQA on Hopper); wants its own zero-filled workspace."""
+
+    name = "fi-xqa"
+
+    def __init__(self, *, layout: str, workspace: torch.Tensor):
+        import flashinfer.decode
+
+        self.fn = flashinfer.decode.trtllm_batch_decode_with_kv_cache
+        self.layout, self.workspace = layout, workspace
+
+    def plan(self, step: StepInputs) -> None:
+        self.step = step
+        self.max_seq_len = max(step.seq_lens_host, default=0)
+        self.outs = [torch.empty_like(q) for q in step.queries]
+
+    def run(self, layer: int) -> torch.Tensor:
+        s = self.step
+        return self.fn(s.queries[layer], s.pools[layer], self.workspace, s.block_table, s.seq_lens,
+                       self.max_seq_len, bmm1_scale=s.sm_scale, bmm2_scale=1.0,
+                       out=self.outs[layer], kv_layout=self.layout)
+
+
+def _token_index(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat token positions (page * page_size + slot) [B, Lmax] and a validity mask [B, Lmax]."""
+    max_len = max(step.seq_lens_host)
+    pos = torch.arange(max_len, device=step.block_table.device)
+    valid = pos[None, :] < step.seq_lens.long()[:, None]
+    pages = step.block_table.long().gather(1, (pos // step.page_size).clamp_max(
+        step.block_table.shape[1] - 1).expand(step.batch_size, -1))
+    return torch.where(valid, pages * step.page_size + pos % step.page_size, 0), valid
+
+
+def _token_major(pool: torch.Tensor, layout: str, kv: int) -> torch.Tensor:
+    """K or V of a pool as [P * page_size, H, D] (a copy for HND)."""
+    t = pool[:, kv]
+    if layout == "HND":
+        t = t.transpose(1, 2)
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+class PaddedSDPA(Backend):
+    """Gather every row's K/V into one padded dense tensor, then scaled_dot_product_attention."""
+
+    name = "padded-sdpa"
+
+    def plan(self, step: StepInputs) -> None:
+        self.step = step
+        index, valid = _token_index(step)
+        self.index = index.reshape(-1)
+        self.mask = valid[:, None, None, :]                       # [B, 1, 1, Lmax]
+        self.max_len = index.shape[1]
+
+    def run(self, layer: int) -> torch.Tensor:
+        s = self.step
+        b, hq, d = s.queries[layer].shape
+        out = []
+        for kv in (0, 1):
+            dense = _token_major(s.pools[layer], s.layout, kv).index_select(0, self.index)
+            out.append(dense.view(b, self.max_len, s.num_kv_heads, d).transpose(1, 2))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            s.queries[layer][:, :, None], out[0], out[1], attn_mask=self.mask, enable_gqa=True)
+        return o[:, :, 0]
+
+
+class PerSequence(Backend):
+    """One exact-length gather + attention per row (no padding, B launches per layer)."""
+
+    name = "per-sequence"
+
+    def plan(self, step: StepInputs) -> None:
+        self.step = step
+        index, _ = _token_index(step)
+        self.rows = [index[r, :n] for r, n in enumerate(step.seq_lens_host)]
+
+    def run(self, layer: int) -> torch.Tensor:
+        s = self.step
+        q = s.queries[layer]
+        k_all = _token_major(s.pools[layer], s.layout, 0)
+        v_all = _token_major(s.pools[layer], s.layout, 1)
+        outs = []
+        for r, idx in enumerate(self.rows):
+            k = k_all.index_select(0, idx).transpose(0, 1)[None]         # [1, Hkv, L, D]
+            v = v_all.index_select(0, idx).transpose(0, 1)[None]
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q[r:r + 1, :, None], k, v, enable_gqa=True)[:, :, 0])
+        return torch.cat(outs)
+
+
+def make_backends(names: list[str], *, layout: str, device: torch.device,
+                  split_pages: int | None = None) -> tuple[list[Backend], dict[str, str]]:
+    """Build the named backends; returns (backends, {name: why it was skipped})."""
+    unknown = [n for n in names if n not in ALL_BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)}")
+    backends: list[Backend] = []
+    skipped: dict[str, str] = {}
+    fi = flashinfer_version() if device.type == "cuda" else None
+    factories: dict[str, Callable[[], Backend]] = {
+        f"pkv-{b}": (lambda b=b: PersistentKV(b, layout=layout, split_pages=split_pages))
+        for b in PKV_BACKENDS
+    }
+    factories["padded-sdpa"] = PaddedSDPA
+    factories["per-sequence"] = PerSequence
+    if fi is not None:
+        def workspace() -> torch.Tensor:
+            return torch.empty(128 << 20, dtype=torch.uint8, device=device)
+
+        factories["fi-cuda-core"] = lambda: FlashInferWrapper(use_tensor_cores=False, layout=layout,
+                                                              workspace=workspace())
+        factories["fi-tensor-core"] = lambda: FlashInferWrapper(use_tensor_cores=True, layout=layout,
+                                                                workspace=workspace())
+        xqa_ws = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
+        factories["fi-xqa"] = lambda: FlashInferXQA(layout=layout, workspace=xqa_ws)
+    for name in names:
+        if name in factories:
+            backends.append(factories[name]())
+        else:
+            skipped[name] = ("FlashInfer is not installed (pip install 'persistentkv[flashinfer]')"
+                             if device.type == "cuda" else "FlashInfer needs a GPU")
+    return backends, skipped

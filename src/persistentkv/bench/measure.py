@@ -1,0 +1,162 @@
+"""Timing one decode step of one backend: eager wall, host costs, CUDA-graph device time, accuracy.
+
+Units: microseconds (us); bandwidth in TB/s = 1e12 bytes per second.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..reference import TOLERANCE, reference_decode, relative_error
+from .backends import Backend, StepInputs, Unsupported
+
+
+@dataclass
+class StepTiming:
+    backend: str
+    status: str                   # "ok", "failed" (wrong result or error) or "unsupported"
+    rows: int
+    tokens: int                   # KV tokens read per layer (sum of seq_lens)
+    kv_bytes: int                 # KV bytes read per layer
+    eager_us: float = float("nan")        # host wall: plan + L runs + synchronize, per step
+    plan_us: float = float("nan")         # host time of plan()
+    run_us: float = float("nan")          # host time of one run() (launch only)
+    graph_us: float = float("nan")        # device time per layer, CUDA-graph replay of L runs
+    error: float = float("nan")           # relative error vs the float64 reference (layer 0)
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_bytes_per_layer(step: StepInputs) -> int:
+    elem = step.pools[0].element_size()
+    return sum(step.seq_lens_host) * step.num_kv_heads * step.head_dim * 2 * elem
+
+
+def reference_output(step: StepInputs) -> torch.Tensor:
+    out, _ = reference_decode(step.queries[0], step.pools[0], layout=step.layout,
+                              kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
+                              kv_last_page_len=step.kv_last_page_len)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor | None,
+                 eager_reps: int = 3, graph_reps: int = 10) -> StepTiming:
+    """Plan and run `backend` on `step`; check layer 0 against `reference`; time it.
+
+    On the CPU only the eager host times are taken (the interpreter's timings mean nothing).
+    """
+    device = step.queries[0].device
+    layers = len(step.queries)
+    result = StepTiming(backend=backend.name, status="ok", rows=step.batch_size,
+                        tokens=sum(step.seq_lens_host), kv_bytes=kv_bytes_per_layer(step))
+    try:
+        backend.plan(step)
+        out = backend.run(0)
+    except Unsupported as exc:
+        result.status, result.note = "unsupported", str(exc)
+        return result
+    except Exception as exc:  # noqa: BLE001 - a backend that breaks is reported, not fatal
+        result.status, result.note = "failed", f"{type(exc).__name__}: {exc}"[:300]
+        return result
+    if reference is not None:
+        result.error = relative_error(out, reference)
+        if not result.error <= TOLERANCE[out.dtype]:
+            result.status = "failed"
+            result.note = f"relative error {result.error:.2e} over {TOLERANCE[out.dtype]}"
+            return result
+
+    walls, plans, runs = [], [], []
+    for _ in range(eager_reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        backend.plan(step)
+        t1 = time.perf_counter()
+        for layer in range(layers):
+            backend.run(layer)
+        t2 = time.perf_counter()
+        _sync(device)
+        t3 = time.perf_counter()
+        plans.append((t1 - t0) * 1e6)
+        runs.append((t2 - t1) * 1e6 / layers)
+        walls.append((t3 - t0) * 1e6)
+    result.eager_us = statistics.median(walls)
+    result.plan_us = statistics.median(plans)
+    result.run_us = statistics.median(runs)
+    if device.type == "cuda":
+        result.graph_us = graph_time_per_layer(backend, layers, reps=graph_reps)
+    return result
+
+
+def graph_time_per_layer(backend: Backend, layers: int, *, reps: int) -> float:
+    """Median device time of one layer: the L runs of the planned step captured in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):          # warm-up on the capture stream
+        for layer in range(layers):
+            backend.run(layer)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            backend.run(layer)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / layers)
+    del graph
+    return statistics.median(times)
+
+
+def bandwidth_ceiling(device: torch.device, *, gib: float = 4.0, reps: int = 10) -> dict:
+    """Read and copy bandwidth (TB/s) of plain device ops over `gib` GiB: the run's own ceiling."""
+    if device.type != "cuda":
+        return {}
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    out = {}
+    for name, fn, nbytes in (("read_tbps", lambda: src.sum(dtype=torch.float32), n * 2),
+                             ("copy_tbps", lambda: dst.copy_(src), n * 4)):
+        fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = nbytes / statistics.median(times) / 1e12
+    del src, dst
+    torch.cuda.empty_cache()
+    return out
+
+
+def bare_launch_us(device: torch.device, *, reps: int = 200) -> float:
+    """Host time of one bare launch from Python: a torch add_ on 1K floats (median)."""
+    x = torch.zeros(1024, device=device)
+    for _ in range(10):
+        x.add_(1.0)
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.add_(1.0)
+        times.append((time.perf_counter() - t0) * 1e6)
+    _sync(device)
+    return statistics.median(times)

@@ -1,0 +1,63 @@
+"""`persistentkv report`: PNG plots from benchmark results (JSON written by `persistentkv bench`)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
+    """Throughput per backend per case, and TB/s against context length with the ceiling drawn in."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        summary, steps, env = data["summary"], data["steps"], data["environment"]
+        ok = [r for r in summary if r["status"] == "ok" and "tokens_per_s_graph" in r]
+        cases = list(dict.fromkeys(r["case"] for r in ok))
+        backends = list(dict.fromkeys(r["backend"] for r in ok))
+        fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.2), 5))
+        width = 0.8 / max(len(backends), 1)
+        for i, b in enumerate(backends):
+            vals = []
+            for c in cases:
+                row = next((r for r in ok if r["case"] == c and r["backend"] == b), None)
+                v = row["tokens_per_s_graph"] if row else math.nan
+                vals.append(v if v == v else row["tokens_per_s_eager"] if row else math.nan)
+            ax.bar([x + i * width for x in range(len(cases))], vals, width, label=b)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases, rotation=30, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("decode tokens / s (one layer, graph replay)")
+        ax.set_title(f"Throughput per backend ({env['device']})")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        p = out_dir / f"{Path(path).stem}-throughput.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        timed = [s for s in steps if s["status"] == "ok" and s["graph_us"] == s["graph_us"]]
+        for b in dict.fromkeys(s["backend"] for s in timed):
+            pts = sorted((s["tokens"] / s["rows"], s["kv_bytes"] / s["graph_us"] / 1e6)
+                         for s in timed if s["backend"] == b)
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, label=b)
+        if env.get("ceiling_tbps"):
+            ax.axhline(env["ceiling_tbps"], color="k", ls="--", lw=1,
+                       label=f"ceiling {env['ceiling_tbps']:.2f} TB/s")
+        ax.set_xscale("log")
+        ax.set_xlabel("mean context length of the step (tokens)")
+        ax.set_ylabel("KV read bandwidth (TB/s)")
+        ax.set_title("Achieved bandwidth against context length")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out_dir / f"{Path(path).stem}-bandwidth.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written

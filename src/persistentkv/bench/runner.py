@@ -1,0 +1,150 @@
+"""Drive a real PagedKVCache through a trace (or a static grid cell) and measure every backend.
+
+The cache holds one page pool per layer (so the L2 never holds a step's KV across layers), filled
+with unit-variance random data once; the allocator hands out pages from a shuffled free list and
+takes them back as requests finish, so page tables scatter as in a running server.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..cache import PagedKVCache
+from .backends import Backend, StepInputs
+from .measure import StepTiming, measure_step, reference_output
+from .traces import Trace, peak_tokens, replay
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: torch.dtype = torch.float16
+    layout: str = "HND"
+
+    def bytes_per_token(self) -> int:
+        return self.num_kv_heads * self.head_dim * 2 * torch.tensor([], dtype=self.dtype).element_size()
+
+
+@dataclass
+class RunOptions:
+    layers: int = 32
+    samples: int = 16               # measured steps per trace
+    eager_reps: int = 3
+    graph_reps: int = 10
+    check_every: int = 4            # check every n-th measured step against the reference
+    memory_budget_gb: float = 60.0  # for all layers' pools together
+    seed: int = 0
+
+
+@dataclass
+class Measured:
+    """Per-step timings of every backend for one trace or grid cell."""
+
+    name: str
+    batch_slots: int
+    layers: int
+    steps: list[dict] = field(default_factory=list)   # one dict per (step, backend)
+
+
+def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions) -> int:
+    per_layer = num_pages * shape.page_size * shape.bytes_per_token()
+    return max(1, min(opts.layers, int(opts.memory_budget_gb * 1e9 // per_layer)))
+
+
+def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.device,
+               seed: int) -> PagedKVCache:
+    torch.manual_seed(seed)
+    return PagedKVCache(num_layers=layers, num_pages=num_pages, page_size=shape.page_size,
+                        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
+                        layout=shape.layout, device=device, shuffle_seed=seed, init="randn")
+
+
+def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
+                generator: torch.Generator) -> StepInputs:
+    table = cache.page_table(seq_ids)
+    indptr, indices, last = table.csr(cache.device)
+    block_table, seq_lens = table.block_table(cache.device)
+    queries = [torch.randn(len(seq_ids), shape.num_qo_heads, shape.head_dim, generator=generator,
+                           dtype=torch.float32).to(cache.device, shape.dtype)
+               for _ in range(cache.num_layers)]
+    return StepInputs(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                      block_table=block_table, seq_lens=seq_lens,
+                      seq_lens_host=[int(x) for x in table.seq_lens], queries=queries,
+                      pools=cache.pools, layout=shape.layout, num_qo_heads=shape.num_qo_heads,
+                      num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                      page_size=shape.page_size)
+
+
+def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts: RunOptions,
+                dead: set[str]) -> list[StepTiming]:
+    """Every live backend on one step; a backend that fails once is left out of later steps."""
+    reference = reference_output(step) if check else None
+    results = []
+    for backend in backends:
+        if backend.name in dead:
+            continue
+        timing = measure_step(backend, step, reference=reference, eager_reps=opts.eager_reps,
+                              graph_reps=opts.graph_reps)
+        if timing.status == "failed":
+            dead.add(backend.name)
+        results.append(timing)
+    return results
+
+
+def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelShape,
+              opts: RunOptions, device: torch.device, progress=None) -> Measured:
+    """Replay `trace`; measure `opts.samples` steps spread evenly over it."""
+    steps = list(replay(trace))
+    num_pages = peak_tokens(trace) // shape.page_size + 2 * trace.batch_slots + 1
+    layers = layers_that_fit(shape, num_pages, opts)
+    cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
+    busy = [i for i, s in enumerate(steps) if s.rows]
+    chosen = set(np.asarray(busy)[np.linspace(0, len(busy) - 1, min(opts.samples, len(busy)))
+                                  .round().astype(int)].tolist()) if busy else set()
+    measured = Measured(name=name, batch_slots=trace.batch_slots, layers=layers)
+    generator = torch.Generator().manual_seed(opts.seed)
+    dead: set[str] = set()
+    done = 0
+    for step in steps:
+        for req, seq_len in step.rows:                   # grow the cache to this step's lengths
+            if req not in cache.allocator:
+                cache.add_sequence(req)
+            cache.append_tokens(req, seq_len - cache.seq_len(req))
+        if step.index in chosen:
+            inputs = step_inputs(cache, [req for req, _ in step.rows], shape, generator)
+            check = done % opts.check_every == 0
+            for timing in measure_all(backends, inputs, check=check, opts=opts, dead=dead):
+                measured.steps.append({"step": step.index, **timing.as_dict(),
+                                       "max_seq_len": max(inputs.seq_lens_host)})
+            done += 1
+            if progress is not None:
+                progress()
+        for req in step.finished:
+            cache.free_sequence(req)
+    del cache
+    return measured
+
+
+def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape: ModelShape,
+               opts: RunOptions, device: torch.device) -> Measured:
+    """One static batch (a grid cell or a fixed mix), measured like a trace step."""
+    num_pages = sum(-(-n // shape.page_size) for n in seq_lens) + 1
+    layers = layers_that_fit(shape, num_pages, opts)
+    cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
+    for i, n in enumerate(seq_lens):
+        cache.add_sequence(i)
+        cache.append_tokens(i, n)
+    inputs = step_inputs(cache, list(range(len(seq_lens))), shape,
+                         torch.Generator().manual_seed(opts.seed))
+    measured = Measured(name=name, batch_slots=len(seq_lens), layers=layers)
+    for timing in measure_all(backends, inputs, check=True, opts=opts, dead=set()):
+        measured.steps.append({"step": 0, **timing.as_dict(), "max_seq_len": max(seq_lens)})
+    del cache, inputs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return measured

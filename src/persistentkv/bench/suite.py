@@ -1,0 +1,120 @@
+"""`persistentkv bench`: the trace suite and the static grid, on the GPU or (tiny) on the CPU."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .backends import make_backends
+from .measure import bandwidth_ceiling, bare_launch_us
+from .results import environment, print_table, run_ceiling, summarize, write_results
+from .runner import Measured, ModelShape, RunOptions, run_static, run_trace
+from .traces import Trace, make_trace, read_trace
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    generator: str
+    batch_slots: int
+    num_requests: int
+
+    @property
+    def name(self) -> str:
+        return f"b{self.batch_slots}-{self.generator}"
+
+
+TRACE_SUITE = (TraceSpec("bimodal", 8, 24), TraceSpec("uniform", 8, 24), TraceSpec("zipf", 8, 24),
+               TraceSpec("bimodal", 4, 12), TraceSpec("bucketed", 1, 8))
+GRID_BATCHES = (1, 4, 8, 32, 128)
+GRID_LENGTHS = (1024, 8192, 32768, 131072)
+GRID_MAX_TOKENS = 4 << 20
+# The mixed batches measured for FlashInfer in the project's anchors (context length per row).
+GRID_MIXES = {
+    "B4 bimodal": [293, 16619, 652, 21576],
+    "B8 bimodal": [767, 17289, 459, 24197, 591, 21440, 912, 20609],
+    "B4 uniform": [24012, 19271, 31981, 5884],
+    "B8 uniform": [19590, 16921, 28850, 3860, 9982, 23141, 9362, 30932],
+    "B4 zipf": [430, 647, 1891, 1622],
+    "B8 zipf": [259, 2040, 917, 24851, 2345, 270, 264, 372],
+}
+FUNCTIONAL_TRACE = TraceSpec("bucketed", 2, 3)
+FUNCTIONAL_PARAMS = {"buckets": (24, 90), "out_min": 2, "out_max": 3}  # small enough to interpret
+
+
+def grid_cases() -> list[tuple[str, list[int]]]:
+    cells = [(f"B{b} L{n // 1024}K", [n] * b) for b in GRID_BATCHES for n in GRID_LENGTHS
+             if b * n <= GRID_MAX_TOKENS]
+    return cells + [(name, lens) for name, lens in GRID_MIXES.items()]
+
+
+def run_bench(*, device: torch.device, grid: bool, traces: list[str] | None, trace_file: str | None,
+              batch_slots: int, backends: list[str], shape: ModelShape, opts: RunOptions,
+              out_dir: Path, tag: str | None) -> int:
+    functional = device.type != "cuda"
+    if functional:
+        print("No GPU: a functional run through Triton's interpreter; its timings mean nothing.")
+        shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                           dtype=shape.dtype, layout=shape.layout)
+        opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1, seed=opts.seed)
+    built, skipped = make_backends(backends, layout=shape.layout, device=device)
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}")
+    env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
+    env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
+                    "head_dim": shape.head_dim, "page_size": shape.page_size,
+                    "dtype": str(shape.dtype).replace("torch.", ""), "layout": shape.layout}
+    env["options"] = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
+    env.update(bandwidth_ceiling(device))
+    env["bare_launch_us"] = bare_launch_us(device)
+
+    cases: list[tuple[str, object]] = []
+    if grid and not functional:
+        cases = [(name, lens) for name, lens in grid_cases()]
+    elif grid:
+        cases = [("B2 L100", [100, 100]), ("B3 mix", [5, 70, 33])]
+    elif trace_file:
+        cases = [(Path(trace_file).stem, read_trace(trace_file, batch_slots=batch_slots))]
+    else:
+        specs = [FUNCTIONAL_TRACE] if functional else [s for s in TRACE_SUITE
+                                                       if traces is None or s.name in traces]
+        if traces and not functional:
+            unknown = set(traces) - {s.name for s in TRACE_SUITE}
+            if unknown:
+                raise ValueError(f"unknown trace(s) {sorted(unknown)}; choose from "
+                                 f"{[s.name for s in TRACE_SUITE]} or pass --trace-file")
+        for spec in specs:
+            trace = make_trace(spec.generator, batch_slots=spec.batch_slots,
+                               num_requests=spec.num_requests, seed=opts.seed,
+                               **(FUNCTIONAL_PARAMS if functional else {}))
+            cases.append((spec.name, trace))
+
+    tag = tag or ("grid" if grid else "traces") + ("-functional" if functional else "")
+    measured: list[Measured] = []
+    for i, (name, case) in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}] {name}", flush=True)
+        if isinstance(case, Trace):
+            measured.append(run_trace(name, case, built, shape=shape, opts=opts, device=device))
+        else:
+            measured.append(run_static(name, case, built, shape=shape, opts=opts, device=device))
+        summary, paths = _write(measured, env, out_dir, tag)    # after every case: a long run
+    if not measured:                                            # killed midway keeps its results
+        raise ValueError("nothing to measure")
+    print_table(summary, title=f"PersistentKV bench ({env['device']})", functional=functional)
+    print("ceiling %.2f TB/s; wrote %s" % (env["ceiling_tbps"] or float("nan"),
+                                           ", ".join(str(p) for p in paths)))
+    failed = [r for r in summary if r["status"] == "failed" and r["backend"].startswith("pkv-")]
+    for r in failed:
+        print(f"FAILED: {r['case']} {r['backend']}: {r['note']}")
+    return 1 if failed else 0
+
+
+
+
+def _write(measured: list[Measured], env: dict, out_dir: Path, tag: str):
+    ceiling = run_ceiling(measured, env.get("read_tbps"))
+    env["ceiling_tbps"] = ceiling
+    summary = [row for m in measured for row in summarize(m, ceiling_tbps=ceiling)]
+    steps = [{"case": m.name, **s} for m in measured for s in m.steps]
+    return summary, write_results(out_dir, env=env, summary=summary, steps=steps, tag=tag)
