@@ -92,14 +92,19 @@ def run_bench(*, device: torch.device, grid: bool, traces: list[str] | None, tra
 
     tag = tag or ("grid" if grid else "traces") + ("-functional" if functional else "")
     measured: list[Measured] = []
-    for i, (name, case) in enumerate(cases):
-        print(f"[{i + 1}/{len(cases)}] {name}", flush=True)
-        if isinstance(case, Trace):
-            measured.append(run_trace(name, case, built, shape=shape, opts=opts, device=device))
-        else:
-            measured.append(run_static(name, case, built, shape=shape, opts=opts, device=device))
-        summary, paths = _write(measured, env, out_dir, tag)    # after every case: a long run
-    if not measured:                                            # killed midway keeps its results
+    with _progress() as progress:
+        total = sum(opts.samples if isinstance(c, Trace) else 1 for _, c in cases)
+        bar = progress.add_task("measuring", total=total)
+        for name, case in cases:
+            progress.update(bar, description=name)
+            if isinstance(case, Trace):
+                measured.append(run_trace(name, case, built, shape=shape, opts=opts, device=device,
+                                          progress=lambda: progress.advance(bar)))
+            else:
+                measured.append(run_static(name, case, built, shape=shape, opts=opts, device=device))
+                progress.advance(bar)
+            summary, paths = _write(measured, env, out_dir, tag)  # after every case: a cut run keeps its results
+    if not measured:
         raise ValueError("nothing to measure")
     print_table(summary, title=f"PersistentKV bench ({env['device']})", functional=functional)
     print("ceiling %.2f TB/s; wrote %s" % (env["ceiling_tbps"] or float("nan"),
@@ -110,6 +115,27 @@ def run_bench(*, device: torch.device, grid: bool, traces: list[str] | None, tra
     return 1 if failed else 0
 
 
+
+
+def _progress():
+    """A progress bar on the terminal (rich, from the [bench] extra), or nothing without rich."""
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        import contextlib
+
+        class _Silent:
+            def add_task(self, *a, **k):
+                return 0
+
+            def update(self, *a, **k):
+                pass
+
+            def advance(self, *a, **k):
+                pass
+
+        return contextlib.nullcontext(_Silent())
+    return Progress(transient=False)
 
 
 def _write(measured: list[Measured], env: dict, out_dir: Path, tag: str):

@@ -1,0 +1,79 @@
+"""The benchmark on the CPU: the functional run end to end, failure reporting, summaries."""
+import json
+import math
+
+import pytest
+import torch
+
+from paged_case import ON_GPU
+from persistentkv.bench.backends import Backend, PersistentKV, PaddedSDPA, PerSequence
+from persistentkv.bench.results import summarize
+from persistentkv.bench.runner import Measured, ModelShape, RunOptions, run_static, run_trace
+from persistentkv.bench.traces import make_trace
+from persistentkv.cli import main
+
+SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+OPTS = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1)
+
+
+class WrongBackend(Backend):
+    """Returns the query itself: must be caught by the reference check."""
+
+    name = "wrong"
+
+    def plan(self, step):
+        self.step = step
+
+    def run(self, layer):
+        return self.step.queries[layer].clone()
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the same command runs the full suite: too long for a test")
+def test_functional_bench_writes_results(tmp_path):
+    assert main(["bench", "--out", str(tmp_path), "--backends", "pkv-split,pkv-workqueue,per-sequence"]) == 0
+    data = json.loads((tmp_path / "traces-functional.json").read_text())
+    env = data["environment"]
+    assert env["functional_only"] and env["torch"] == torch.__version__ and "date" in env
+    rows = {r["backend"]: r for r in data["summary"]}
+    assert set(rows) == {"pkv-split", "pkv-workqueue", "per-sequence"}
+    assert all(r["status"] == "ok" and r["max_error"] < 2e-3 and r["steps"] == 2 for r in rows.values())
+    assert (tmp_path / "traces-functional.csv").read_text().startswith("case,")
+
+
+def test_wrong_backend_is_reported_failed_not_timed():
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    measured = run_static("B2", [40, 90], [WrongBackend(), PerSequence()], shape=SHAPE, opts=OPTS,
+                          device=device)
+    by = {s["backend"]: s for s in measured.steps}
+    assert by["wrong"]["status"] == "failed" and "relative error" in by["wrong"]["note"]
+    assert math.isnan(by["wrong"]["eager_us"]) and by["per-sequence"]["status"] == "ok"
+
+
+def test_trace_replay_measures_every_backend_on_the_same_steps():
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    trace = make_trace("bucketed", batch_slots=2, num_requests=3, seed=1, buckets=(20, 70),
+                       out_min=2, out_max=4)
+    backends = [PersistentKV("workqueue", layout="HND"), PaddedSDPA()]
+    measured = run_trace("t", trace, backends, shape=SHAPE, opts=OPTS, device=device)
+    steps = {(s["step"], s["backend"]) for s in measured.steps}
+    assert len(steps) == 2 * 2 and all(s["status"] == "ok" for s in measured.steps)
+    rows = summarize(measured, ceiling_tbps=None)
+    assert {r["backend"] for r in rows} == {"pkv-workqueue", "padded-sdpa"}
+    assert all(r["tokens_per_s_eager"] > 0 for r in rows)
+
+
+def test_summary_picks_flashinfer_best_per_step():
+    base = dict(status="ok", rows=1, tokens=100, kv_bytes=1000, eager_us=10.0, plan_us=1.0,
+                run_us=1.0, error=0.0, note="")
+    steps = [
+        {"step": 0, "backend": "fi-xqa", **base, "graph_us": 5.0},
+        {"step": 0, "backend": "fi-tensor-core", **base, "graph_us": 4.0},
+        {"step": 1, "backend": "fi-xqa", **base, "graph_us": 3.0},
+        {"step": 1, "backend": "fi-tensor-core", **base, "graph_us": 6.0},
+        {"step": 0, "backend": "pkv-split", **base, "graph_us": 3.5},
+        {"step": 1, "backend": "pkv-split", **base, "graph_us": 3.5},
+    ]
+    rows = {r["backend"]: r for r in summarize(Measured("m", 1, 1, steps), ceiling_tbps=1.0)}
+    best = rows["fi-best"]
+    assert best["graph_us_per_layer"] == 3.5                   # median of the per-step best: 4 and 3
+    assert abs(rows["pkv-split"]["speedup_graph_vs_fi_best"] - 1.0) < 1e-12
