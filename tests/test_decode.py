@@ -161,3 +161,32 @@ def test_gpu_batch_1024():
         wrapper.plan(**csr_kwargs(case.table), num_qo_heads=32, num_kv_heads=8, head_dim=128,
                      page_size=16, backend=backend)
         check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+
+
+@pytest.mark.parametrize("backend", ["split", "workqueue"])
+def test_merge_counters_reset_and_runs_repeat_bitwise(backend):
+    """The last task of a row merges it and leaves the row's counter at zero, so the next launch
+    (another layer, or a graph replay) starts clean; the merge order is fixed, so reruns agree."""
+    case = make_case(seq_lens=[300, 7, 129], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                 backend=backend, split_pages=2)
+    first = wrapper.run(case.q, case.kv_cache).clone()
+    assert int(wrapper._counters.abs().sum()) == 0
+    second = wrapper.run(case.q, case.kv_cache)
+    assert torch.equal(first, second)
+    check(case, wrapper, second)
+
+
+def test_checks_still_run_after_a_cached_signature():
+    case = make_case(seq_lens=[30, 50], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    wrapper.run(case.q, case.kv_cache)
+    with pytest.raises(TypeError, match="q.dtype=torch.bfloat16 differs"):
+        wrapper.run(case.q.bfloat16(), case.kv_cache)
+    with pytest.raises(ValueError, match="kv_cache fits neither layout"):
+        wrapper.run(case.q, case.kv_cache[:, 0])
+    small = case.kv_cache[:2]                        # too few pages for this plan's page table
+    with pytest.raises(ValueError, match="outside the pool of 2 pages"):
+        wrapper.run(case.q, small)

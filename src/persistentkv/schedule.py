@@ -3,10 +3,10 @@
 Every schedule cuts each row into splits of `split_pages` pages and runs one program per
 (row, KV head, split); they differ in how programs are laid out:
     grouped   - one split per row; grid (B, Hkv, 1); no merge.
-    split     - grid (B, Hkv, max splits); empty splits of short rows exit at once; rows of several
-                splits are merged by a second launch.
+    split     - grid (B, Hkv, max splits); empty splits of short rows exit at once.
     workqueue - a compact list of the non-empty (row, split) tasks, longest first, walked by a
-                persistent grid of about programs_per_sm x SMs programs; then the same merge.
+                persistent grid of about programs_per_sm x SMs programs.
+Rows of several splits are merged inside the same launch by their last task to finish.
 """
 from __future__ import annotations
 
@@ -14,38 +14,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .tuning import KernelConfig
+
 BACKENDS = ("grouped", "split", "workqueue")
 MAX_GRID_SPLITS = 65535  # CUDA's limit on the grid's third dimension
-MIN_SPLIT_TOKENS = 128
-PROGRAMS_PER_SM = 4
 
 
 @dataclass(frozen=True)
 class Schedule:
     """What the launcher needs. meta: int32 [3, B] = (seq_len, page start, slot start or -1);
-    tasks: int32 [2, T] = (row, split) for the work-queue, else empty; merge_rows: int32 [M]."""
+    tasks: int32 [2, T] = (row, split) for the work-queue, else empty."""
 
     backend: str
     split_pages: int
     split_tokens: int
     meta: np.ndarray
     tasks: np.ndarray
-    merge_rows: np.ndarray
     num_slots: int
     grid: tuple[int, ...]
 
 
 def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: int,
-                        sm_count: int) -> int:
-    """Split size that gives about PROGRAMS_PER_SM x SMs (row, KV head, split) tasks, >= 128 tokens."""
+                        sm_count: int, config: KernelConfig) -> int:
+    """Split size giving about config.waves x SMs (row, KV head, split) tasks, at least
+    config.min_split_tokens tokens, in whole pages."""
     total_tokens = int(seq_lens.sum())
-    target_tasks = max(1, PROGRAMS_PER_SM * sm_count // num_kv_heads)
-    split_tokens = max(MIN_SPLIT_TOKENS, -(-total_tokens // target_tasks))
+    target_tasks = max(1.0, config.waves * sm_count / num_kv_heads)
+    split_tokens = max(config.min_split_tokens, -(-total_tokens // int(target_tasks)))
     return max(1, -(-split_tokens // page_size))
 
 
 def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: str, page_size: int,
-                   num_kv_heads: int, sm_count: int, split_pages: int | None) -> Schedule:
+                   num_kv_heads: int, sm_count: int, split_pages: int | None,
+                   config: KernelConfig) -> Schedule:
     """Plan one step. seq_lens, page_starts: int64 [B] (all seq_lens >= 1)."""
     batch = len(seq_lens)
     max_len = int(seq_lens.max()) if batch else 0
@@ -53,7 +54,7 @@ def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: st
         split_pages = max(1, -(-max_len // page_size))
     elif split_pages is None:
         split_pages = default_split_pages(seq_lens, page_size=page_size, num_kv_heads=num_kv_heads,
-                                          sm_count=sm_count)
+                                          sm_count=sm_count, config=config)
     split_tokens = split_pages * page_size
     num_splits = -(-seq_lens // split_tokens)                                         # [B]
     multi = num_splits > 1
@@ -61,7 +62,6 @@ def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: st
     slot_start[multi] = np.cumsum(num_splits[multi]) - num_splits[multi]
     num_slots = int(num_splits[multi].sum())
     meta = np.stack([seq_lens, page_starts, slot_start]).astype(np.int32)
-    merge_rows = np.flatnonzero(multi).astype(np.int32)
 
     tasks = np.zeros((2, 0), dtype=np.int32)
     max_splits = int(num_splits.max()) if batch else 0
@@ -72,7 +72,7 @@ def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: st
         tokens = np.minimum(seq_lens[rows] - splits * split_tokens, split_tokens)
         order = np.argsort(-tokens, kind="stable")                    # longest tasks first
         tasks = np.stack([rows[order], splits[order]]).astype(np.int32)
-        programs = min(tasks.shape[1] * num_kv_heads, PROGRAMS_PER_SM * sm_count)
+        programs = min(tasks.shape[1] * num_kv_heads, config.programs_per_sm * sm_count)
         grid: tuple[int, ...] = (max(programs, 1),)
     else:
         if max_splits > MAX_GRID_SPLITS:
@@ -81,4 +81,4 @@ def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: st
                              f"splits or backend='workqueue'")
         grid = (batch, num_kv_heads, max(max_splits, 1))
     return Schedule(backend=backend, split_pages=split_pages, split_tokens=split_tokens, meta=meta,
-                    tasks=tasks, merge_rows=merge_rows, num_slots=num_slots, grid=grid)
+                    tasks=tasks, num_slots=num_slots, grid=grid)

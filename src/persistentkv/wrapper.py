@@ -17,9 +17,10 @@ import triton
 from .cache import CACHE_DTYPES, check_layout
 from .checks import check_positive_int, check_same_device, check_tensor
 from .kernels.decode import paged_decode_kernel
-from .kernels.merge import merge_partials_kernel
 from .runtime import check_interpreter_numpy, interpreting, sm_count
+from .launch import Launcher
 from .schedule import BACKENDS, Schedule, build_schedule
+from .tuning import KernelConfig, default_config
 
 MAX_GROUP = 64
 MAX_HEAD_DIM = 256
@@ -39,9 +40,9 @@ class DecodePlan:
     indices: torch.Tensor       # flat page indices: kv_indices, or block_table (row-major)
     meta: torch.Tensor          # int32 [3, B]
     tasks: torch.Tensor         # int32 [2, T]
-    merge_rows: torch.Tensor    # int32 [M]
     max_page_index: int
     device: torch.device
+    config: KernelConfig
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -138,6 +139,9 @@ class DecodeWrapper:
         self._plan: DecodePlan | None = None
         self._part_o = torch.empty(0)
         self._part_lse = torch.empty(0)
+        self._counters = torch.zeros(0, dtype=torch.int32)
+        self._launch = Launcher(paged_decode_kernel)
+        self._prepared: dict = {}
 
     @property
     def plan_info(self) -> DecodePlan:
@@ -149,13 +153,15 @@ class DecodeWrapper:
              kv_last_page_len: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
              seq_lens: torch.Tensor | None = None, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, backend: str = "workqueue",
-             split_pages: int | None = None, sm_scale: float | None = None) -> DecodePlan:
+             split_pages: int | None = None, sm_scale: float | None = None,
+             config: KernelConfig | None = None) -> DecodePlan:
         """Plan one decode step from a CSR page table or from block_table + seq_lens.
 
         CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
         (in [1, page_size]). Block table (vLLM): block_table int32 [B, max_pages], seq_lens int32 [B].
         backend: "grouped", "split" or "workqueue"; split_pages: pages per split (default: about
-        4 tasks per SM); sm_scale defaults to 1/sqrt(head_dim).
+        config.waves tasks per SM); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's
+        tile and launch shape (default: tuning.default_config).
         """
         check_interpreter_numpy()
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -173,6 +179,10 @@ class DecodeWrapper:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if split_pages is not None:
             check_positive_int("split_pages", split_pages)
+        if config is None:
+            config = default_config(head_dim=head_dim)
+        elif not isinstance(config, KernelConfig):
+            raise TypeError(f"config must be a KernelConfig, got {type(config).__name__}")
         if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)
                                          and sm_scale > 0):
             raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
@@ -203,25 +213,34 @@ class DecodeWrapper:
 
         schedule = build_schedule(lens, starts, backend=backend, page_size=page_size,
                                   num_kv_heads=num_kv_heads, sm_count=sm_count(device),
-                                  split_pages=split_pages)
-        packed = np.concatenate([schedule.meta.ravel(), schedule.tasks.ravel(), schedule.merge_rows])
+                                  split_pages=split_pages, config=config)
+        packed = np.concatenate([schedule.meta.ravel(), schedule.tasks.ravel()])
         packed = torch.from_numpy(packed.astype(np.int32)).to(device, non_blocking=True)
         batch, n_tasks = len(lens), schedule.tasks.shape[1]
         meta = packed[: 3 * batch].view(3, batch)
-        tasks = packed[3 * batch: 3 * batch + 2 * n_tasks].view(2, n_tasks)
-        merge_rows = packed[3 * batch + 2 * n_tasks:]
+        tasks = packed[3 * batch:].view(2, n_tasks)
         if schedule.num_slots:
-            need = schedule.num_slots * num_qo_heads
-            if self._part_lse.numel() < need or self._part_lse.device != device:
-                self._part_o = torch.empty(need * head_dim, dtype=torch.float32, device=device)
-                self._part_lse = torch.empty(need, dtype=torch.float32, device=device)
+            self._reserve_workspace(schedule.num_slots * num_qo_heads, head_dim,
+                                    batch * num_kv_heads, device)
         self._plan = DecodePlan(
             batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size,
             sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-            schedule=schedule, indices=indices, meta=meta, tasks=tasks, merge_rows=merge_rows,
-            max_page_index=max_page, device=device)
+            schedule=schedule, indices=indices, meta=meta, tasks=tasks, max_page_index=max_page,
+            device=device, config=config)
+        self._prepared = {}
         return self._plan
+
+    def _reserve_workspace(self, partials: int, head_dim: int, counters: int,
+                           device: torch.device) -> None:
+        """Grow-only buffers: partial outputs and lse, and the per-(row, KV head) merge counters
+        (zeroed once; the kernel leaves them at zero)."""
+        if self._part_lse.numel() < partials or self._part_lse.device != device:
+            self._part_lse = torch.empty(partials, dtype=torch.float32, device=device)
+        if self._part_o.numel() < partials * head_dim or self._part_o.device != device:
+            self._part_o = torch.empty(partials * head_dim, dtype=torch.float32, device=device)
+        if self._counters.numel() < counters or self._counters.device != device:
+            self._counters = torch.zeros(counters, dtype=torch.int32, device=device)
 
     def run(self, q: torch.Tensor, kv_cache, *, out: torch.Tensor | None = None,
             return_lse: bool = False):
@@ -232,7 +251,40 @@ class DecodeWrapper:
         and with return_lse=True also lse [B, Hq] float32: the natural-log log-sum-exp of the
         scaled scores, sm_scale * q.k.
         """
-        plan = self.plan_info
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() called before plan()")
+        # The arguments are checked in full once per plan and argument signature (shapes, dtypes,
+        # devices, strides, alignment); later layers with the same signature only pay for the
+        # signature itself.
+        try:
+            sig = (_signature(q), _signature(out), return_lse,
+                   _signature(kv_cache) if type(kv_cache) is torch.Tensor
+                   else tuple(_signature(t) for t in kv_cache))
+        except (AttributeError, TypeError):
+            sig = None
+        prepared = self._prepared.get(sig)
+        if prepared is None:
+            prepared = self._prepare(plan, q, kv_cache, out, return_lse)
+            if sig is not None:
+                self._prepared[sig] = prepared
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else out
+        if plan.batch_size:
+            k, v = (kv_cache, kv_cache) if type(kv_cache) is torch.Tensor else kv_cache
+            strides, constexprs, key = prepared
+            self._launch(plan.schedule.grid, key,
+                         (q, k, v, plan.indices, plan.meta, plan.tasks, out, lse, self._part_o,
+                          self._part_lse, self._counters, *strides, plan.batch_size,
+                          plan.schedule.tasks.shape[1], plan.schedule.split_tokens,
+                          plan.sm_scale * 1.4426950408889634),
+                         constexprs, num_warps=plan.config.num_warps,
+                         num_stages=plan.config.num_stages)
+        return (out, lse) if return_lse else out
+
+    def _prepare(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool):
+        """Check run()'s arguments in full; return (kernel strides, constexprs, launch key)."""
         check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
         want = (plan.batch_size, plan.num_qo_heads, plan.head_dim)
         if tuple(q.shape) != want:
@@ -252,43 +304,39 @@ class DecodeWrapper:
             raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
                              f"pool of {num_pages} pages")
         if out is None:
-            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            out_strides, out_align = (q.shape[1] * q.shape[2], q.shape[2], 1), 0
         else:
             check_tensor("out", out, dtype=q.dtype, dim=3)
             if out.shape != q.shape or out.device != q.device or out.stride(-1) != 1:
                 raise ValueError(f"out must be like q ({list(q.shape)} on {q.device}, contiguous "
                                  f"along head_dim), got {list(out.shape)} on {out.device}")
-        lse = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse
-               else out)  # unused pointer when not returned
-        if plan.batch_size:
-            self._launch(plan, q, k, v, out, lse, return_lse)
-        return (out, lse) if return_lse else out
-
-    def _launch(self, plan: DecodePlan, q, k, v, out, lse, return_lse: bool) -> None:
-        sched = plan.schedule
-        group = plan.num_qo_heads // plan.num_kv_heads
-        g_pad = max(16, triton.next_power_of_2(group))
-        d_pad = triton.next_power_of_2(plan.head_dim)
+            out_strides, out_align = out.stride(), out.data_ptr() % 16
         if self.kv_layout == "HND":   # k: [P, H, S, D]
             stride_page, stride_head, stride_tok = k.stride(0), k.stride(1), k.stride(2)
         else:                         # k: [P, S, H, D]
             stride_page, stride_head, stride_tok = k.stride(0), k.stride(2), k.stride(1)
-        upcast = interpreting()
-        paged_decode_kernel[sched.grid](
-            q, k, v, plan.indices, plan.meta, plan.tasks, out, lse, self._part_o, self._part_lse,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            stride_page, stride_head, stride_tok,
-            plan.batch_size, sched.tasks.shape[1], sched.split_tokens,
-            plan.sm_scale * 1.4426950408889634,
-            NUM_KV_HEADS=plan.num_kv_heads, GROUP=group, G_PAD=g_pad, HEAD_DIM=plan.head_dim,
-            D_PAD=d_pad, PAGE_SIZE=plan.page_size, BLOCK_N=64 if d_pad <= 128 else 32,
-            PERSISTENT=sched.backend == "workqueue", RETURN_LSE=return_lse, UPCAST=upcast,
-            num_warps=4, num_stages=2,
-        )
-        if len(sched.merge_rows):
-            merge_partials_kernel[(len(sched.merge_rows), plan.num_kv_heads)](
-                plan.meta, plan.merge_rows, self._part_o, self._part_lse, out, lse,
-                out.stride(0), out.stride(1), plan.batch_size, sched.split_tokens,
-                NUM_QO_HEADS=plan.num_qo_heads, GROUP=group, G_PAD=g_pad,
-                HEAD_DIM=plan.head_dim, D_PAD=d_pad, RETURN_LSE=return_lse, num_warps=4,
-            )
+        # V's offset from the pointer passed for it: the pool's K/V stride, or 0 for a (k, v) pair
+        stride_kv = kv_cache.stride(1) if isinstance(kv_cache, torch.Tensor) else 0
+        strides = (q.stride(0), q.stride(1), out_strides[0], out_strides[1], stride_page, stride_head,
+                   stride_tok, stride_kv)
+        group = plan.num_qo_heads // plan.num_kv_heads
+        constexprs = dict(
+            NUM_KV_HEADS=plan.num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=plan.head_dim, D_PAD=triton.next_power_of_2(plan.head_dim),
+            PAGE_SIZE=plan.page_size, BLOCK_N=plan.config.block_n,
+            PERSISTENT=plan.schedule.backend == "workqueue", RETURN_LSE=return_lse,
+            UPCAST=interpreting())
+        # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
+        # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
+        # allocator, always aligned); num_rows, num_tasks and split_tokens are not specialized.
+        key = (tuple(constexprs.values()), q.dtype, strides, q.data_ptr() % 16, out_align,
+               k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
+               plan.meta.data_ptr() % 16, plan.tasks.data_ptr() % 16)
+        return strides, constexprs, key
+
+
+def _signature(t: torch.Tensor | None):
+    """What run()'s checks and the kernel's specialization depend on, for one tensor argument."""
+    if t is None:
+        return None
+    return (t.shape, t.dtype, t.device, t.stride(), t.data_ptr() % 16)

@@ -11,6 +11,7 @@ Grid: (rows, KV heads, max splits) for the split/grouped schedules (empty splits
 import triton
 import triton.language as tl
 
+from .merge import merge_partials
 from .softmax import online_softmax_step
 
 
@@ -44,15 +45,27 @@ def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi,
 
 
 @triton.jit
+def _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask, g_mask,
+                 NUM_QO_HEADS: tl.constexpr, RETURN_LSE: tl.constexpr):
+    dst = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask)
+    if RETURN_LSE:  # natural log
+        tl.store(lse_ptr + row.to(tl.int64) * NUM_QO_HEADS + heads, lse2 * 0.6931471805599453,
+                 mask=g_mask)
+
+
+@triton.jit
 def _decode_task(row, kv_head, split,
                  q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
-                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                  stride_qb, stride_qh, stride_ob, stride_oh,
-                 stride_page, stride_head, stride_tok,
+                 stride_page, stride_head, stride_tok, stride_kv,
                  num_rows, split_tokens, scale_log2,
-                 NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
+    """One (row, KV head, split) task; the last split of a row to finish merges the row."""
+    NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     seq_len = tl.load(meta_ptr + row)
     page_start = tl.load(meta_ptr + num_rows + row).to(tl.int64)
     slot_start = tl.load(meta_ptr + 2 * num_rows + row)
@@ -63,38 +76,47 @@ def _decode_task(row, kv_head, split,
     offs_d = tl.arange(0, D_PAD)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    mask = g_mask[:, None] & d_mask[None, :]
     heads = kv_head * GROUP + offs_g                                                   # [G_PAD]
     q = tl.load(q_ptr + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)                      # [G_PAD, D]
+                mask=mask, other=0.0)                                                   # [G_PAD, D]
     if UPCAST:
         q = q.to(tl.float32)
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
-    acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + head_off, indices_ptr, page_start,
+    acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
+                                  page_start,
                                   tok_lo, tok_hi, stride_page, stride_tok, offs_d, d_mask,
                                   scale_log2, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, UPCAST)
     if tok_lo < tok_hi:
         l_safe = tl.where(g_mask, l_i, 1.0)
         o = acc / l_safe[:, None]
         lse2 = m_i + tl.math.log2(l_safe)
-        store_mask = g_mask[:, None] & d_mask[None, :]
-        if slot_start < 0:
-            out_dst = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(out_dst, o.to(out_ptr.dtype.element_ty), mask=store_mask)
-            if RETURN_LSE:
-                tl.store(lse_ptr + row.to(tl.int64) * NUM_QO_HEADS + heads, lse2 * 0.6931471805599453,
-                         mask=g_mask)
-        else:
+        if slot_start < 0:                      # the row is one task: write the output directly
+            _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
+                         g_mask, NUM_QO_HEADS, RETURN_LSE)
+        else:                                   # write the partial; the last task merges the row
             slot = (slot_start + split).to(tl.int64)
-            part_dst = part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
-            tl.store(part_dst, o, mask=store_mask)
+            tl.store(part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                     o, mask=mask)
             tl.store(part_lse_ptr + slot * NUM_QO_HEADS + heads, lse2, mask=g_mask)
+            tl.debug_barrier()                  # every thread's partial stores precede the release
+            counter = counters_ptr + row * NUM_KV_HEADS + kv_head
+            num_splits = tl.cdiv(seq_len, split_tokens)
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
+                o, lse2 = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
+                                         num_splits, heads, offs_d, mask, g_mask,
+                                         NUM_QO_HEADS, HEAD_DIM, G_PAD, D_PAD)
+                _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d,
+                             mask, g_mask, NUM_QO_HEADS, RETURN_LSE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_tasks", "split_tokens"])
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
-                        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
-                        stride_page, stride_head, stride_tok,
+                        stride_page, stride_head, stride_tok, stride_kv,
                         num_rows, num_tasks, split_tokens, scale_log2,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -103,7 +125,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
 
     meta: int32 [3, num_rows] = (seq_len, first entry of the row in indices, first partial slot or -1).
-    tasks: int32 [2, num_tasks] = (row, split), read only when PERSISTENT.
+    tasks: int32 [2, num_tasks] = (row, split), read only when PERSISTENT. counters: int32
+    [num_rows, NUM_KV_HEADS], zero between launches (the merging task resets its own).
     """
     if PERSISTENT:
         for t in tl.range(tl.program_id(0), num_tasks * NUM_KV_HEADS, tl.num_programs(0)):
@@ -111,16 +134,18 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
             row = tl.load(tasks_ptr + task)
             split = tl.load(tasks_ptr + num_tasks + task)
             _decode_task(row, t % NUM_KV_HEADS, split, q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
-                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
-                         stride_page, stride_head, stride_tok, num_rows, split_tokens, scale_log2,
-                         NUM_KV_HEADS * GROUP, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                         stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
+                         scale_log2,
+                         NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                          RETURN_LSE, UPCAST)
     else:
         _decode_task(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                      q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
-                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                      stride_qb, stride_qh, stride_ob, stride_oh,
-                     stride_page, stride_head, stride_tok, num_rows, split_tokens, scale_log2,
-                     NUM_KV_HEADS * GROUP, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                     stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
+                         scale_log2,
+                     NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                      RETURN_LSE, UPCAST)

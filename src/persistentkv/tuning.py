@@ -1,0 +1,42 @@
+"""Launch configurations and split-size rules: data beside the kernels, chosen deterministically.
+
+Values come from `persistentkv sweep` on the H200 (docs/perf-notes.md has the measurements).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile and launch shape of the decode kernel.
+
+    block_n: tokens per K/V tile; num_warps, num_stages: Triton's launch options (num_stages is the
+    software-pipelining depth of the token loop); waves: target (row, KV head, split) tasks per SM
+    when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
+    programs_per_sm: persistent programs per SM for the work-queue.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: float = 4.0
+    min_split_tokens: int = 128
+    programs_per_sm: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
+        if self.block_n & (self.block_n - 1) or self.block_n < 16:
+            raise ValueError(f"KernelConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        if not self.waves > 0:
+            raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
+
+
+def default_config(*, head_dim: int) -> KernelConfig:
+    """The default for a head dim (K and V tiles of block_n x head_dim stay within registers)."""
+    if head_dim > 128:
+        return KernelConfig(block_n=32)
+    return KernelConfig()
