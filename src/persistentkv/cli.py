@@ -46,6 +46,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      out_dir=Path(args.out), tag=args.tag)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    device = choose_device()
+    if device != "cuda":
+        raise SystemExit("persistentkv sweep times kernels: it needs a GPU")
+    import json
+
+    import torch
+
+    from .bench.runner import ModelShape
+    from .bench.sweep import SWEEP_CELLS, run_sweep
+
+    cells = args.cells.split(",") if args.cells else list(SWEEP_CELLS)
+    run_sweep(device=torch.device("cuda"), cells=cells, spec=json.loads(args.spec),
+              shape=ModelShape(layout=args.layout), out_path=Path(args.out))
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .bench.report import make_report
 
@@ -89,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="results", help="folder for the JSON and CSV files")
     bench.add_argument("--tag", help="file name stem of the results (default: traces or grid)")
     bench.set_defaults(func=cmd_bench)
+
+    sweep = sub.add_parser("sweep", help="time kernel configurations on static batches (GPU)")
+    sweep.add_argument("--cells", help="comma-separated subset of the sweep's static batches")
+    sweep.add_argument("--spec", default='{"block_n": [64, 128], "num_warps": [4, 8], '
+                                         '"num_stages": [2, 3], "waves": [1, 2, 4]}',
+                       help="JSON: lists of values per KernelConfig field, and 'backend'")
+    sweep.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    sweep.add_argument("--out", default="results/sweep.json")
+    sweep.set_defaults(func=cmd_sweep)
 
     report = sub.add_parser("report", help="PNG plots from results JSON files")
     report.add_argument("results", nargs="+")

@@ -74,7 +74,7 @@ class PersistentKV(Backend):
                           kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
                           page_size=step.page_size, backend=self.schedule,
-                          split_pages=self.split_pages)
+                          split_pages=self.split_pages, config=self.config)
         self.outs = [torch.empty_like(q) for q in step.queries]
 
     def run(self, layer: int) -> torch.Tensor:

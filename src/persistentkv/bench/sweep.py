@@ -1,0 +1,79 @@
+"""`persistentkv sweep`: device time of kernel configurations on static batches, to fill tuning.py."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from ..tuning import KernelConfig
+from .backends import PersistentKV
+from .measure import graph_time_per_layer, kv_bytes_per_layer, reference_output
+from .runner import ModelShape, RunOptions, layers_that_fit, make_cache, step_inputs
+from ..reference import TOLERANCE, relative_error
+
+SWEEP_CELLS = {"B1 L1K": [1024], "B1 L8K": [8192], "B1 L32K": [32768], "B4 L1K": [1024] * 4,
+               "B8 L1K": [1024] * 8, "B8 L8K": [8192] * 8, "B32 L8K": [8192] * 32,
+               "B128 L1K": [1024] * 128, "B8 zipf": [259, 2040, 917, 24851, 2345, 270, 264, 372]}
+L2_ROTATION_BYTES = 256e6   # enough layers that one step's KV across them is several L2s (60 MB)
+
+
+def config_grid(spec: dict[str, list]) -> list[tuple[str, KernelConfig]]:
+    """(backend, config) pairs from lists of values per KernelConfig field plus 'backend'."""
+    backends = spec.pop("backend", ["split", "workqueue"])
+    keys = list(spec)
+    out = []
+    for values in itertools.product(*(spec[k] for k in keys)):
+        cfg = KernelConfig(**dict(zip(keys, values)))
+        out.extend((b, cfg) for b in backends)
+    return out
+
+
+def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], shape: ModelShape,
+              out_path: Path, reps: int = 10) -> list[dict]:
+    rows = []
+    candidates = config_grid(dict(spec))
+    for cell in cells:
+        lens = SWEEP_CELLS[cell]
+        per_layer = sum(lens) * shape.bytes_per_token()
+        layers = min(64, max(4, math.ceil(L2_ROTATION_BYTES / per_layer)))
+        num_pages = sum(-(-n // shape.page_size) for n in lens) + 1
+        opts = RunOptions(layers=layers)
+        layers = layers_that_fit(shape, num_pages, opts)
+        cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=0)
+        for i, n in enumerate(lens):
+            cache.add_sequence(i)
+            cache.append_tokens(i, n)
+        step = step_inputs(cache, list(range(len(lens))), shape, torch.Generator().manual_seed(0))
+        ref = reference_output(step)
+        for backend, cfg in candidates:
+            b = PersistentKV(backend, layout=shape.layout, config=cfg)
+            b.plan(step)
+            err = relative_error(b.run(0), ref)
+            us = graph_time_per_layer(b, layers, reps=reps) if err <= TOLERANCE[shape.dtype] else math.nan
+            rows.append({"cell": cell, "backend": backend, **cfg.__dict__, "us": us, "error": err,
+                         "split_tokens": b.wrapper.plan_info.schedule.split_tokens,
+                         "tbps": kv_bytes_per_layer(step) / us / 1e6 if us == us else math.nan})
+        best = min((r for r in rows if r["cell"] == cell and r["us"] == r["us"]), key=lambda r: r["us"])
+        print(f"{cell:<9} best {best['us']:7.1f} us ({best['tbps']:.2f} TB/s): {best['backend']} "
+              f"block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} "
+              f"waves={best['waves']} min_split={best['min_split_tokens']} split={best['split_tokens']}",
+              flush=True)
+        del cache, step
+        torch.cuda.empty_cache()
+    # the single configuration with the best geometric mean over the cells
+    by_cfg: dict[tuple, list[float]] = {}
+    for r in rows:
+        by_cfg.setdefault((r["backend"], r["block_n"], r["num_warps"], r["num_stages"], r["waves"],
+                           r["min_split_tokens"], r["programs_per_sm"]), []).append(r["us"])
+    ranked = sorted((statistics.geometric_mean(v), k) for k, v in by_cfg.items()
+                    if len(v) == len(cells) and all(x == x for x in v))
+    for gm, k in ranked[:8]:
+        print(f"geomean {gm:7.2f} us: {k}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"rows": rows, "ranked": [(gm, list(k)) for gm, k in ranked]},
+                                   indent=1) + "\n")
+    return rows
