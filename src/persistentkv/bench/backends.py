@@ -61,11 +61,11 @@ class Backend:
 
 
 class PersistentKV(Backend):
-    def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None):
-        self.name = f"pkv-{schedule}"
+    def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None, config=None):
         from ..wrapper import DecodeWrapper  # imported late: the CLI picks the interpreter first
 
-        self.schedule, self.split_pages = schedule, split_pages
+        self.name = f"pkv-{schedule}"
+        self.schedule, self.split_pages, self.config = schedule, split_pages, config
         self.wrapper = DecodeWrapper(layout)
 
     def plan(self, step: StepInputs) -> None:
