@@ -190,3 +190,21 @@ def test_checks_still_run_after_a_cached_signature():
     small = case.kv_cache[:2]                        # too few pages for this plan's page table
     with pytest.raises(ValueError, match="outside the pool of 2 pages"):
         wrapper.run(case.q, small)
+
+
+@pytest.mark.parametrize("page, block_n", [(12, 32), (8, 128), (32, 16), (128, 64), (1, 16)],
+                         ids=["p12-any-size", "p8-16-pages-per-tile", "p32-tile-in-page",
+                              "p128-tile-in-page", "p1"])
+@pytest.mark.parametrize("backend", ["split", "workqueue"])
+def test_page_size_and_tile_combinations(backend, page, block_n):
+    """Every way the kernel finds a tile's pages: many pages per tile, a tile inside one page, and
+    any (non power of two) page size."""
+    from persistentkv.tuning import KernelConfig
+
+    case = make_case(seq_lens=[5, 200, 97], num_qo_heads=4, num_kv_heads=1, head_dim=64,
+                     page_size=page, layout="HND")
+    wrapper = DecodeWrapper("HND")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=4, num_kv_heads=1, head_dim=64,
+                 page_size=page, backend=backend, split_pages=max(1, 64 // page),
+                 config=KernelConfig(block_n=block_n, num_stages=2))
+    check(case, wrapper, wrapper.run(case.q, case.kv_cache))

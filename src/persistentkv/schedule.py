@@ -36,11 +36,15 @@ class Schedule:
 
 def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: int,
                         sm_count: int, config: KernelConfig) -> int:
-    """Split size giving about config.waves x SMs (row, KV head, split) tasks, at least
-    config.min_split_tokens tokens, in whole pages."""
-    total_tokens = int(seq_lens.sum())
-    target_tasks = max(1.0, config.waves * sm_count / num_kv_heads)
-    split_tokens = max(config.min_split_tokens, -(-total_tokens // int(target_tasks)))
+    """Pages per split. Whole rows when rows x KV heads already fill the SMs (splitting would only
+    add partial writes and merges); else about config.waves x SMs tasks, each at least
+    config.min_split_tokens tokens."""
+    max_len = int(seq_lens.max()) if len(seq_lens) else 1
+    if len(seq_lens) * num_kv_heads >= sm_count:
+        split_tokens = max_len
+    else:
+        target_tasks = max(1, int(config.waves * sm_count / num_kv_heads))
+        split_tokens = max(config.min_split_tokens, -(-int(seq_lens.sum()) // target_tasks))
     return max(1, -(-split_tokens // page_size))
 
 

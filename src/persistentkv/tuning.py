@@ -17,11 +17,11 @@ class KernelConfig:
     programs_per_sm: persistent programs per SM for the work-queue.
     """
 
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 2
-    waves: float = 4.0
-    min_split_tokens: int = 128
+    num_stages: int = 3
+    waves: float = 2.0
+    min_split_tokens: int = 256
     programs_per_sm: int = 4
 
     def __post_init__(self):
@@ -38,5 +38,5 @@ class KernelConfig:
 def default_config(*, head_dim: int) -> KernelConfig:
     """The default for a head dim (K and V tiles of block_n x head_dim stay within registers)."""
     if head_dim > 128:
-        return KernelConfig(block_n=32)
+        return KernelConfig(block_n=32, num_stages=2)
     return KernelConfig()

@@ -1,0 +1,56 @@
+"""The host-side work assignment: split sizes, task lists, partial slots (pure numpy)."""
+import numpy as np
+import pytest
+
+from persistentkv.schedule import build_schedule, default_split_pages
+from persistentkv.tuning import KernelConfig
+
+CFG = KernelConfig()
+
+
+def schedule(lens, backend="workqueue", split_pages=None, sm_count=132, kv_heads=8, page=16):
+    lens = np.asarray(lens, dtype=np.int64)
+    starts = np.cumsum(-(-lens // page)) - -(-lens // page)
+    return build_schedule(lens, starts, backend=backend, page_size=page, num_kv_heads=kv_heads,
+                          sm_count=sm_count, split_pages=split_pages, config=CFG)
+
+
+def test_whole_rows_when_rows_fill_the_sms():
+    lens = np.full(32, 8192)
+    assert default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=CFG) == 512
+
+
+def test_small_batches_split_to_about_waves_per_sm():
+    pages = default_split_pages(np.array([32768]), page_size=16, num_kv_heads=8, sm_count=132,
+                                config=CFG)
+    tasks = -(-32768 // (pages * 16)) * 8
+    assert 0.75 * CFG.waves * 132 <= tasks <= CFG.waves * 132
+    # never below the minimum split
+    assert default_split_pages(np.array([300]), page_size=16, num_kv_heads=8, sm_count=132,
+                               config=CFG) * 16 >= CFG.min_split_tokens
+
+
+def test_workqueue_lists_only_nonempty_tasks_longest_first():
+    s = schedule([1000, 10, 300], split_pages=8)                    # 128-token splits
+    rows, splits = s.tasks
+    assert len(rows) == 8 + 1 + 3
+    tokens = np.minimum(np.array([1000, 10, 300])[rows] - splits * 128, 128)
+    assert (tokens > 0).all() and (np.diff(tokens) <= 0).all()
+    assert s.grid == (min(12 * 8, CFG.programs_per_sm * 132),)
+
+
+def test_partial_slots_only_for_split_rows():
+    s = schedule([1000, 10, 300], backend="split", split_pages=8)
+    seq_len, _, slot_start = s.meta
+    assert slot_start.tolist() == [0, -1, 8] and s.num_slots == 8 + 3
+    assert s.grid == (3, 8, 8) and seq_len.tolist() == [1000, 10, 300]
+
+
+def test_grouped_is_one_split_per_row():
+    s = schedule([1000, 10, 300], backend="grouped")
+    assert s.meta[2].tolist() == [-1, -1, -1] and s.num_slots == 0 and s.grid == (3, 8, 1)
+
+
+def test_too_many_splits_for_the_grid():
+    with pytest.raises(ValueError, match="65535"):
+        schedule([1 << 20], backend="split", split_pages=1, page=1)
