@@ -141,3 +141,17 @@ def test_cache_constructor_and_append_checks():
     kv = torch.zeros(1, 3, 1, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"k must be \[num_layers, n, num_kv_heads, head_dim\]"):
         cache.append(0, kv, kv)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host metadata beside device indices")
+def test_host_metadata_with_device_indices(case):
+    kw = csr_kwargs(case.table)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(kv_indptr=kw["kv_indptr"].cpu(), kv_indices=kw["kv_indices"],
+                 kv_last_page_len=kw["kv_last_page_len"].cpu(), **HEADS)
+    ref = DecodeWrapper("NHD")
+    ref.plan(**kw, **HEADS)
+    assert torch.equal(wrapper.run(case.q, case.kv_cache), ref.run(case.q, case.kv_cache))
+    with pytest.raises(ValueError, match="page indices"):
+        DecodeWrapper("NHD").plan(kv_indptr=kw["kv_indptr"], kv_indices=kw["kv_indices"].cpu(),
+                                  kv_last_page_len=kw["kv_last_page_len"], **HEADS)

@@ -49,6 +49,15 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().astype(np.int64)
 
 
+def _check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Lengths and offsets may sit on the host (no device-to-host copy in plan()) or beside the
+    page indices."""
+    for name, t in tensors.items():
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; it must be on the CPU or on {device} with "
+                             f"the page indices")
+
+
 def _csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
     """(seq_lens, page_starts, used page indices) from FlashInfer's CSR page table, checked."""
     check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
@@ -58,7 +67,7 @@ def _csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
     if kv_indptr.shape[0] != batch + 1:
         raise ValueError(f"kv_indptr must have batch_size + 1 = {batch + 1} entries (kv_last_page_len "
                          f"has {batch}), got {kv_indptr.shape[0]}")
-    check_same_device(kv_indptr.device, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len)
+    _check_metadata_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
     indptr, last = _host(kv_indptr), _host(kv_last_page_len)
     if indptr[0] != 0:
         raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
@@ -85,7 +94,7 @@ def _block_rows(block_table, seq_lens, page_size: int):
     if block_table.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has "
                          f"{seq_lens.shape[0]} entries")
-    check_same_device(block_table.device, seq_lens=seq_lens)
+    _check_metadata_device(block_table.device, seq_lens=seq_lens)
     if block_table.shape[0] and block_table.stride(1) != 1:
         raise ValueError(f"block_table must be contiguous along its last dim, got strides "
                          f"{block_table.stride()}")
@@ -159,6 +168,9 @@ class DecodeWrapper:
 
         CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
         (in [1, page_size]). Block table (vLLM): block_table int32 [B, max_pages], seq_lens int32 [B].
+        kv_indices and block_table live on the kernel's device; kv_indptr, kv_last_page_len and
+        seq_lens may be there too or on the host (then plan() copies nothing back from the device
+        but its one check of the page indices' range).
         backend: "grouped", "split" or "workqueue"; split_pages: pages per split (default: about
         config.waves tasks per SM); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's
         tile and launch shape (default: tuning.default_config).
