@@ -193,12 +193,11 @@ def test_checks_still_run_after_a_cached_signature():
 
 
 @pytest.mark.parametrize("page, block_n", [(12, 32), (8, 128), (32, 16), (128, 64), (1, 16)],
-                         ids=["p12-any-size", "p8-16-pages-per-tile", "p32-tile-in-page",
+                         ids=["p12-not-a-power-of-two", "p8-16-pages-per-tile", "p32-tile-in-page",
                               "p128-tile-in-page", "p1"])
 @pytest.mark.parametrize("backend", ["split", "workqueue"])
 def test_page_size_and_tile_combinations(backend, page, block_n):
-    """Every way the kernel finds a tile's pages: many pages per tile, a tile inside one page, and
-    any (non power of two) page size."""
+    """Tiles spanning many pages, tiles inside one page, and a page size that is not a power of two."""
     from persistentkv.tuning import KernelConfig
 
     case = make_case(seq_lens=[5, 200, 97], num_qo_heads=4, num_kv_heads=1, head_dim=64,

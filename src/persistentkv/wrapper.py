@@ -336,7 +336,6 @@ class DecodeWrapper:
             NUM_KV_HEADS=plan.num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=plan.head_dim, D_PAD=triton.next_power_of_2(plan.head_dim),
             PAGE_SIZE=plan.page_size, BLOCK_N=plan.config.block_n,
-            PAGES_PER_TILE=_pages_per_tile(plan.page_size, plan.config.block_n),
             PERSISTENT=plan.schedule.backend == "workqueue", RETURN_LSE=return_lse,
             UPCAST=interpreting())
         # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
@@ -346,14 +345,6 @@ class DecodeWrapper:
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
                plan.meta.data_ptr() % 16, plan.tasks.data_ptr() % 16)
         return strides, constexprs, key
-
-
-def _pages_per_tile(page_size: int, block_n: int) -> int:
-    """How the kernel finds a tile's pages: >1 whole pages per tile, 1 a tile inside one page,
-    0 any page size (one index per token)."""
-    if page_size & (page_size - 1):
-        return 0
-    return max(1, block_n // page_size)
 
 
 def _signature(t: torch.Tensor | None):

@@ -17,48 +17,20 @@ from .softmax import online_softmax_step
 
 
 @triton.jit
-def _tile_offsets(indices_ptr, page_start, start, tok_hi, stride_page, stride_tok,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr):
-    """Element offsets [BLOCK_N] (int64) of the tile's tokens start .. start + BLOCK_N - 1 in the pool.
-
-    PAGES_PER_TILE > 1: the tile is that many whole pages (one index load per page); 1: the tile
-    lies inside one page (one scalar index load); 0: any page size (one index load per token).
-    Pages past tok_hi are not read (their offsets come out 0; the caller masks those tokens).
-    """
-    offs_n = tl.arange(0, BLOCK_N)
-    if PAGES_PER_TILE > 1:
-        offs_p = tl.arange(0, PAGES_PER_TILE)
-        first = start // PAGE_SIZE
-        pages = tl.load(indices_ptr + page_start + first + offs_p,
-                        mask=start + offs_p * PAGE_SIZE < tok_hi, other=0)                # [P]
-        slots = tl.arange(0, PAGE_SIZE)
-        offs = pages.to(tl.int64)[:, None] * stride_page + slots[None, :].to(tl.int64) * stride_tok
-        offs = tl.reshape(offs, [BLOCK_N])
-    elif PAGES_PER_TILE == 1:
-        page = tl.load(indices_ptr + page_start + start // PAGE_SIZE)
-        offs = page.to(tl.int64) * stride_page + ((start % PAGE_SIZE) + offs_n).to(tl.int64) * stride_tok
-    else:
-        tok = start + offs_n
-        page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=tok < tok_hi, other=0)
-        offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok
-    return offs
-
-
-@triton.jit
 def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi,
                   stride_page, stride_tok, offs_d, d_mask, scale_log2,
                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, UPCAST: tl.constexpr):
+                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi)."""
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
-        valid = start + offs_n < tok_hi
-        offs = _tile_offsets(indices_ptr, page_start, start, tok_hi, stride_page, stride_tok,
-                             PAGE_SIZE, BLOCK_N, PAGES_PER_TILE)                          # [N]
-        offs = tl.where(valid, offs, 0)
+        tok = start + offs_n
+        valid = tok < tok_hi
+        page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=valid, other=0)
+        offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
@@ -91,8 +63,7 @@ def _decode_task(row, kv_head, split,
                  num_rows, split_tokens, scale_log2,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr, RETURN_LSE: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     seq_len = tl.load(meta_ptr + row)
@@ -115,8 +86,7 @@ def _decode_task(row, kv_head, split,
     acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
                                   page_start,
                                   tok_lo, tok_hi, stride_page, stride_tok, offs_d, d_mask,
-                                  scale_log2, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, PAGES_PER_TILE,
-                                  UPCAST)
+                                  scale_log2, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, UPCAST)
     if tok_lo < tok_hi:
         l_safe = tl.where(g_mask, l_i, 1.0)
         o = acc / l_safe[:, None]
@@ -150,8 +120,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
                         num_rows, num_tasks, split_tokens, scale_log2,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
-                        PERSISTENT: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
 
@@ -169,7 +138,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
                          scale_log2,
-                         NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, PAGES_PER_TILE,
+                         NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                          RETURN_LSE, UPCAST)
     else:
         _decode_task(tl.program_id(0), tl.program_id(1), tl.program_id(2),
@@ -178,5 +147,5 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
                      stride_qb, stride_qh, stride_ob, stride_oh,
                      stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
                          scale_log2,
-                     NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, PAGES_PER_TILE,
+                     NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                      RETURN_LSE, UPCAST)
