@@ -23,6 +23,7 @@ from .schedule import BACKENDS, Schedule, build_schedule
 from .tuning import KernelConfig, default_config
 
 MAX_GROUP = 64
+DETERMINISTIC_SPLIT_TOKENS = 512  # split size of deterministic (batch-invariant) plans
 MAX_HEAD_DIM = 256
 
 
@@ -163,7 +164,7 @@ class DecodeWrapper:
              seq_lens: torch.Tensor | None = None, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, backend: str = "workqueue",
              split_pages: int | None = None, sm_scale: float | None = None,
-             config: KernelConfig | None = None) -> DecodePlan:
+             config: KernelConfig | None = None, deterministic: bool = False) -> DecodePlan:
         """Plan one decode step from a CSR page table or from block_table + seq_lens.
 
         CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
@@ -173,7 +174,10 @@ class DecodeWrapper:
         but its one check of the page indices' range).
         backend: "grouped", "split" or "workqueue"; split_pages: pages per split (default: about
         config.waves tasks per SM); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's
-        tile and launch shape (default: tuning.default_config).
+        tile and launch shape (default: tuning.default_config). deterministic=True makes the output
+        batch-invariant: splits of a fixed size in tokens (split_pages, default
+        DETERMINISTIC_SPLIT_TOKENS), so a row's result is bitwise the same whatever else is in the
+        batch (the merge order is fixed in every mode).
         """
         check_interpreter_numpy()
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -191,6 +195,10 @@ class DecodeWrapper:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if split_pages is not None:
             check_positive_int("split_pages", split_pages)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+        if deterministic and split_pages is None:
+            split_pages = max(1, -(-DETERMINISTIC_SPLIT_TOKENS // page_size))
         if config is None:
             config = default_config(head_dim=head_dim)
         elif not isinstance(config, KernelConfig):

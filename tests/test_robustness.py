@@ -1,0 +1,126 @@
+"""Batch invariance, shared pages, NaN/Inf behaviour, malformed page tables, two streams."""
+import numpy as np
+import pytest
+import torch
+
+from paged_case import DEVICE, ON_GPU, csr_kwargs, make_case
+from persistentkv import TOLERANCE, DecodeWrapper, PageTable, reference_decode, relative_error
+
+HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+
+
+def _run(case, table, q, backend, **kw):
+    wrapper = DecodeWrapper(case.layout)
+    wrapper.plan(**csr_kwargs(table), **HEADS, backend=backend, **kw)
+    return wrapper.run(q, case.kv_cache)
+
+
+def _subtable(table: PageTable, rows) -> PageTable:
+    return PageTable(row_pages=tuple(table.row_pages[r] for r in rows),
+                     seq_lens=table.seq_lens[list(rows)], page_size=table.page_size)
+
+
+@pytest.mark.parametrize("backend", ["split", "workqueue", "grouped"])
+def test_deterministic_mode_is_batch_invariant(backend):
+    """A row's output is bitwise the same alone, in a small batch and in a larger one."""
+    case = make_case(seq_lens=[1200, 5, 700, 64, 2100], **HEADS)
+    full = _run(case, case.table, case.q, backend, deterministic=True)
+    for rows in ([0], [2, 0], [4, 3, 0, 1]):
+        part = _run(case, _subtable(case.table, rows), case.q[rows], backend, deterministic=True)
+        assert torch.equal(part, full[rows]), rows
+
+
+def test_default_mode_split_size_depends_on_the_batch():
+    """Why deterministic mode exists: the default split size follows the batch's total length."""
+    case = make_case(seq_lens=[1200, 5, 700, 64, 2100], **HEADS)
+    sizes = set()
+    for rows in ([0], [0, 4, 2]):
+        wrapper = DecodeWrapper("NHD")
+        sizes.add(wrapper.plan(**csr_kwargs(_subtable(case.table, rows)), **HEADS,
+                               backend="split").schedule.split_tokens)
+        det = wrapper.plan(**csr_kwargs(_subtable(case.table, rows)), **HEADS, backend="split",
+                           deterministic=True)
+        assert det.schedule.split_tokens == 512
+    assert len(sizes) == 2
+
+
+def test_same_page_in_two_rows_is_allowed():
+    """Pages are only read: two rows may share pages (a shared prefix), and each is exact."""
+    case = make_case(seq_lens=[40, 40], **HEADS)
+    shared = PageTable(row_pages=(case.table.row_pages[0], case.table.row_pages[0]),
+                       seq_lens=np.array([40, 33]), page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(shared), **HEADS, backend="split", split_pages=1)
+    out = wrapper.run(case.q, case.kv_cache)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(shared))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nan_in_q_stays_in_its_rows_and_heads():
+    """Documented behaviour: NaN/Inf are not checked (that would cost a device sync); a NaN in q
+    poisons the output of that query head only, a NaN in a K/V row poisons the rows reading it."""
+    case = make_case(seq_lens=[30, 50], **HEADS)
+    q = case.q.clone()
+    q[1, 5, 3] = float("nan")
+    out = _run(case, case.table, q, "split", split_pages=1)
+    bad = ~torch.isfinite(out.float()).all(dim=-1)
+    assert bad[1, 5] and bad.sum() == 1
+
+
+def test_kv_indptr_must_not_decrease():
+    case = make_case(seq_lens=[20, 40], **HEADS)
+    kw = csr_kwargs(case.table)
+    kw["kv_indptr"] = torch.tensor([0, 5, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"non-decreasing.*kv_indptr\[1\]=5 > kv_indptr\[2\]=4"):
+        DecodeWrapper("NHD").plan(**kw, **HEADS)
+
+
+def test_q_not_contiguous_along_head_dim():
+    case = make_case(seq_lens=[20, 40], **HEADS)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), **HEADS)
+    q = torch.randn(2, 8, 128, dtype=torch.float16, device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match="q must be contiguous along head_dim"):
+        wrapper.run(q, case.kv_cache)
+
+
+def test_deterministic_must_be_bool():
+    case = make_case(seq_lens=[20], **HEADS)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **HEADS, deterministic=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA streams")
+def test_two_wrappers_on_two_streams():
+    cases = [make_case(seq_lens=[3000, 17, 900], **HEADS, seed=s) for s in (1, 2)]
+    wrappers = [DecodeWrapper("NHD") for _ in cases]
+    for w, c in zip(wrappers, cases):
+        w.plan(**csr_kwargs(c.table), **HEADS, backend="workqueue", split_pages=4)
+    streams = [torch.cuda.Stream() for _ in cases]
+    outs = []
+    torch.cuda.synchronize()
+    for w, c, s in zip(wrappers, cases, streams):
+        with torch.cuda.stream(s):
+            outs.append([w.run(c.q, c.kv_cache) for _ in range(20)][-1])
+    torch.cuda.synchronize()
+    for c, out in zip(cases, outs):
+        ref, _ = reference_decode(c.q, c.kv_cache, layout="NHD", **csr_kwargs(c.table))
+        assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: batch invariance of the compiled kernel")
+def test_gpu_deterministic_batch_invariance():
+    lens = [30000, 17, 5000, 1, 12000, 800, 64, 7000]
+    case = make_case(seq_lens=lens, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    for backend in ("split", "workqueue"):
+        w = DecodeWrapper("NHD")
+        w.plan(**csr_kwargs(case.table), **heads, backend=backend, deterministic=True)
+        full = w.run(case.q, case.kv_cache).clone()
+        for rows in ([0], [4, 0, 2], [7, 6, 5, 4, 3, 2, 1, 0]):
+            w.plan(**csr_kwargs(_subtable(case.table, rows)), **heads, backend=backend,
+                   deterministic=True)
+            assert torch.equal(w.run(case.q[rows].contiguous(), case.kv_cache), full[rows])
