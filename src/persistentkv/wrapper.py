@@ -239,9 +239,8 @@ class DecodeWrapper:
         batch, n_tasks = len(lens), schedule.tasks.shape[1]
         meta = packed[: 3 * batch].view(3, batch)
         tasks = packed[3 * batch:].view(2, n_tasks)
-        if schedule.num_slots:
-            self._reserve_workspace(schedule.num_slots * num_qo_heads, head_dim,
-                                    batch * num_kv_heads, device)
+        self._reserve_workspace(max(1, schedule.num_slots * num_qo_heads), head_dim,
+                                max(1, batch * num_kv_heads), device)
         self._plan = DecodePlan(
             batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, page_size=page_size,
@@ -274,6 +273,8 @@ class DecodeWrapper:
         plan = self._plan
         if plan is None:
             raise RuntimeError("run() called before plan()")
+        if torch.compiler.is_compiling():
+            return self._run_traced(plan, q, kv_cache, out, return_lse)
         # The arguments are checked in full once per plan and argument signature (shapes, dtypes,
         # devices, strides, alignment); later layers with the same signature only pay for the
         # signature itself.
@@ -302,6 +303,30 @@ class DecodeWrapper:
                          constexprs, num_warps=plan.config.num_warps,
                          num_stages=plan.config.num_stages)
         return (out, lse) if return_lse else out
+
+    def _run_traced(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool) -> torch.Tensor:
+        """run() under torch.compile: the registered op (see op.py), which the compiler can trace."""
+        from .op import paged_decode
+
+        if out is not None or return_lse:
+            raise ValueError("under torch.compile, run() returns a new output and no lse: "
+                             "call it without out= and return_lse=")
+        k, v, _ = _cache_views(kv_cache, self.kv_layout)
+        stride_page = k.stride(0)
+        stride_head, stride_tok = ((k.stride(1), k.stride(2)) if self.kv_layout == "HND"
+                                   else (k.stride(2), k.stride(1)))
+        if isinstance(kv_cache, torch.Tensor):
+            k = v = kv_cache
+            stride_kv = kv_cache.stride(1)
+        else:
+            stride_kv = 0
+        sched, cfg = plan.schedule, plan.config
+        return paged_decode(q, k, v, plan.indices, plan.meta, plan.tasks, self._part_o,
+                            self._part_lse, self._counters,
+                            [stride_page, stride_head, stride_tok, stride_kv], sched.split_tokens,
+                            plan.sm_scale, plan.num_kv_heads, plan.page_size,
+                            sched.backend == "workqueue", list(sched.grid), cfg.block_n,
+                            cfg.num_warps, cfg.num_stages)
 
     def _prepare(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool):
         """Check run()'s arguments in full; return (kernel strides, constexprs, launch key)."""
