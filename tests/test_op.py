@@ -21,7 +21,7 @@ def test_opcheck(backend):
     case, w = planned(backend)
     plan = w.plan_info
     pool = case.kv_cache
-    args = (case.q, pool, pool, plan.indices, plan.meta, plan.tasks, w._part_o, w._part_lse,
+    args = (case.q, pool, pool, plan.indices, plan.meta, plan.tasks, None, w._part_o, w._part_lse,
             w._counters, [pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(1)],
             plan.schedule.split_tokens, plan.sm_scale, 2, 16, backend == "workqueue",
             list(plan.schedule.grid), 64, 4, 2)

@@ -18,6 +18,7 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict[tuple, object] = {}
+        self._names = list(kernel.arg_names)
 
     def __call__(self, grid: tuple[int, ...], key: tuple, args: tuple, constexprs: dict, *,
                  num_warps: int, num_stages: int) -> None:
@@ -26,6 +27,10 @@ class Launcher:
         hooked = knobs.runtime.launch_enter_hook is not None   # profilers want Triton's own path
         compiled = None if interpreting() or hooked else self._compiled.get(key)
         if compiled is None:
+            # the direct call passes arguments by position: they must follow the signature
+            if self._names != [*self._names[:len(args)], *constexprs]:
+                raise TypeError(f"{self.kernel.__name__}: constexprs {list(constexprs)} do not follow "
+                                f"the signature {self._names[len(args):]}")
             compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps,
                                          num_stages=num_stages)
             if not interpreting():

@@ -15,7 +15,8 @@ from .runtime import interpreting
 
 @torch.library.custom_op("persistentkv::paged_decode", mutates_args=("part_o", "part_lse", "counters"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                 meta: torch.Tensor, tasks: torch.Tensor, part_o: torch.Tensor,
+                 meta: torch.Tensor, tasks: torch.Tensor, num_tasks: torch.Tensor | None,
+                 part_o: torch.Tensor,
                  part_lse: torch.Tensor, counters: torch.Tensor, cache_strides: list[int],
                  split_tokens: int, sm_scale: float, num_kv_heads: int, page_size: int,
                  persistent: bool, grid: list[int], block_n: int, num_warps: int,
@@ -30,18 +31,18 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
         return out
     group = num_qo_heads // num_kv_heads
     paged_decode_kernel[tuple(grid)](
-        q, k, v, indices, meta, tasks, out, out, part_o, part_lse, counters,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-        batch, tasks.shape[1], split_tokens, sm_scale * 1.4426950408889634,
+        q, k, v, indices, meta, tasks, meta if num_tasks is None else num_tasks, out, out, part_o,
+        part_lse, counters, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
+        batch, tasks.shape[1], tasks.shape[1], split_tokens, sm_scale * 1.4426950408889634,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_N=block_n, PERSISTENT=persistent, RETURN_LSE=False, UPCAST=interpreting(),
+        BLOCK_N=block_n, PERSISTENT=persistent, TASKS_ON_DEVICE=num_tasks is not None, RETURN_LSE=False, UPCAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k, v, indices, meta, tasks, part_o, part_lse, counters, cache_strides,
+def _paged_decode_fake(q, k, v, indices, meta, tasks, num_tasks, part_o, part_lse, counters, cache_strides,
                        split_tokens, sm_scale, num_kv_heads, page_size, persistent, grid, block_n,
                        num_warps, num_stages):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -17,6 +17,7 @@ import triton
 from .cache import CACHE_DTYPES, check_layout
 from .checks import check_positive_int, check_same_device, check_tensor
 from .kernels.decode import paged_decode_kernel
+from .kernels.plan import plan_workqueue_kernel
 from .runtime import check_interpreter_numpy, interpreting, sm_count
 from .launch import Launcher
 from .schedule import BACKENDS, Schedule, build_schedule
@@ -40,10 +41,11 @@ class DecodePlan:
     schedule: Schedule
     indices: torch.Tensor       # flat page indices: kv_indices, or block_table (row-major)
     meta: torch.Tensor          # int32 [3, B]
-    tasks: torch.Tensor         # int32 [2, T]
+    tasks: torch.Tensor         # int32 [2, task capacity]
     max_page_index: int
     device: torch.device
     config: KernelConfig
+    num_tasks_buf: torch.Tensor | None = None   # int32 [1] task count, when planned on the GPU
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -141,11 +143,31 @@ def _cache_views(kv_cache, layout: str):
 
 
 class DecodeWrapper:
-    """Paged GQA decode attention with a page-aware schedule, planned once per step."""
+    """Paged GQA decode attention with a page-aware schedule, planned once per step.
 
-    def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None):
+    With use_cuda_graph=True, plan() runs on the GPU (no host sync, no host reads of the page
+    table) into buffers sized for max_batch_size rows and max_num_pages pages referenced per step,
+    so that plan() + run() can be captured in one CUDA graph and replayed for every batch
+    composition: fill the same page-table tensors in place before each replay; rows with no pages
+    (CSR) or seq_lens 0 are inactive and their output rows are left untouched. Graph mode uses the
+    work-queue schedule with a fixed split size (split_pages, default DETERMINISTIC_SPLIT_TOKENS),
+    and trusts the page table: it checks shapes and dtypes, not the indices' values.
+    """
+
+    def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None,
+                 use_cuda_graph: bool = False, max_batch_size: int | None = None,
+                 max_num_pages: int | None = None):
         self.kv_layout = check_layout(kv_layout)
         self._device = None if device is None else torch.device(device)
+        self.use_cuda_graph = bool(use_cuda_graph)
+        if self.use_cuda_graph:
+            check_positive_int("max_batch_size", max_batch_size)
+            check_positive_int("max_num_pages", max_num_pages)
+        elif max_batch_size is not None or max_num_pages is not None:
+            raise ValueError("max_batch_size and max_num_pages size the buffers of "
+                             "use_cuda_graph=True; leave them out otherwise")
+        self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
+        self._graph_buffers: dict[str, torch.Tensor] = {}
         self._plan: DecodePlan | None = None
         self._part_o = torch.empty(0)
         self._part_lse = torch.empty(0)
@@ -209,6 +231,11 @@ class DecodeWrapper:
 
         csr = (kv_indptr, kv_indices, kv_last_page_len)
         block = (block_table, seq_lens)
+        if self.use_cuda_graph:
+            return self._plan_on_device(csr, block, num_qo_heads=num_qo_heads,
+                                        num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                        page_size=page_size, backend=backend,
+                                        split_pages=split_pages, sm_scale=sm_scale, config=config)
         if all(t is not None for t in csr) and all(t is None for t in block):
             lens, starts, used = _csr_rows(*csr, page_size)
             indices, device = kv_indices, kv_indices.device
@@ -247,6 +274,68 @@ class DecodeWrapper:
             sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
             schedule=schedule, indices=indices, meta=meta, tasks=tasks, max_page_index=max_page,
             device=device, config=config)
+        self._prepared = {}
+        return self._plan
+
+    def _plan_on_device(self, csr, block, *, num_qo_heads, num_kv_heads, head_dim, page_size,
+                        backend, split_pages, sm_scale, config) -> DecodePlan:
+        """plan() of graph mode: one launch of the GPU planner; capturable."""
+        if backend != "workqueue":
+            raise ValueError(f"use_cuda_graph=True plans the work-queue schedule; got backend={backend!r}")
+        max_b = self.max_batch_size
+        if all(t is not None for t in csr) and all(t is None for t in block):
+            kv_indptr, kv_indices, kv_last_page_len = csr
+            check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
+            check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
+            check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
+            if kv_indptr.shape[0] != max_b + 1 or kv_last_page_len.shape[0] != max_b:
+                raise ValueError(f"graph mode takes page tables of max_batch_size={max_b} rows: "
+                                 f"kv_indptr [{max_b + 1}] and kv_last_page_len [{max_b}], got "
+                                 f"{list(kv_indptr.shape)} and {list(kv_last_page_len.shape)}")
+            indices, lens_src, is_csr, row_stride = kv_indices, kv_last_page_len, True, 0
+            check_same_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
+        elif all(t is not None for t in block) and all(t is None for t in csr):
+            block_table, seq_lens = block
+            check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
+            check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
+            if block_table.shape[0] != max_b or seq_lens.shape[0] != max_b:
+                raise ValueError(f"graph mode takes page tables of max_batch_size={max_b} rows: "
+                                 f"block_table [{max_b}, W] and seq_lens [{max_b}], got "
+                                 f"{list(block_table.shape)} and {list(seq_lens.shape)}")
+            if block_table.stride(1) != 1:
+                raise ValueError(f"block_table must be contiguous along its last dim, got strides "
+                                 f"{block_table.stride()}")
+            check_same_device(block_table.device, seq_lens=seq_lens)
+            indices, lens_src, is_csr, row_stride = block_table, seq_lens, False, block_table.stride(0)
+            kv_indptr = kv_last_page_len = seq_lens
+        else:
+            raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
+                             "block_table and seq_lens, not a mix")
+        device = indices.device
+        if split_pages is None:
+            split_pages = max(1, -(-DETERMINISTIC_SPLIT_TOKENS // page_size))
+        split_tokens = split_pages * page_size
+        capacity = max_b + -(-self.max_num_pages * page_size // split_tokens)
+        bufs = self._graph_buffers
+        if (not bufs or bufs["tasks"].shape[1] != capacity or bufs["meta"].device != device):
+            bufs.update(meta=torch.zeros(3, max_b, dtype=torch.int32, device=device),
+                        tasks=torch.zeros(2, capacity, dtype=torch.int32, device=device),
+                        num_tasks=torch.zeros(1, dtype=torch.int32, device=device))
+        self._reserve_workspace(capacity * num_qo_heads, head_dim, max_b * num_kv_heads, device)
+        plan_workqueue_kernel[(max_b,)](
+            kv_indptr, kv_last_page_len, lens_src, bufs["meta"], bufs["tasks"], bufs["num_tasks"],
+            max_b, capacity, split_tokens, row_stride, PAGE_SIZE=page_size,
+            BLOCK_ROWS=triton.next_power_of_2(max_b), BLOCK_SPLITS=32, CSR=is_csr, num_warps=4)
+        programs = config.programs_per_sm * sm_count(device)
+        schedule = Schedule(backend="workqueue", split_pages=split_pages, split_tokens=split_tokens,
+                            meta=np.zeros((3, 0), np.int32), tasks=np.zeros((2, 0), np.int32),
+                            num_slots=capacity, grid=(programs,))
+        self._plan = DecodePlan(
+            batch_size=max_b, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, page_size=page_size,
+            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+            schedule=schedule, indices=indices, meta=bufs["meta"], tasks=bufs["tasks"],
+            max_page_index=-1, device=device, config=config, num_tasks_buf=bufs["num_tasks"])
         self._prepared = {}
         return self._plan
 
@@ -296,9 +385,12 @@ class DecodeWrapper:
             k, v = (kv_cache, kv_cache) if type(kv_cache) is torch.Tensor else kv_cache
             strides, constexprs, key = prepared
             self._launch(plan.schedule.grid, key,
-                         (q, k, v, plan.indices, plan.meta, plan.tasks, out, lse, self._part_o,
+                         (q, k, v, plan.indices, plan.meta, plan.tasks,
+                          plan.meta if plan.num_tasks_buf is None else plan.num_tasks_buf,
+                          out, lse, self._part_o,
                           self._part_lse, self._counters, *strides, plan.batch_size,
-                          plan.schedule.tasks.shape[1], plan.schedule.split_tokens,
+                          plan.schedule.tasks.shape[1], plan.tasks.shape[1],
+                          plan.schedule.split_tokens,
                           plan.sm_scale * 1.4426950408889634),
                          constexprs, num_warps=plan.config.num_warps,
                          num_stages=plan.config.num_stages)
@@ -321,7 +413,8 @@ class DecodeWrapper:
         else:
             stride_kv = 0
         sched, cfg = plan.schedule, plan.config
-        return paged_decode(q, k, v, plan.indices, plan.meta, plan.tasks, self._part_o,
+        return paged_decode(q, k, v, plan.indices, plan.meta, plan.tasks, plan.num_tasks_buf,
+                            self._part_o,
                             self._part_lse, self._counters,
                             [stride_page, stride_head, stride_tok, stride_kv], sched.split_tokens,
                             plan.sm_scale, plan.num_kv_heads, plan.page_size,
@@ -369,7 +462,8 @@ class DecodeWrapper:
             NUM_KV_HEADS=plan.num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=plan.head_dim, D_PAD=triton.next_power_of_2(plan.head_dim),
             PAGE_SIZE=plan.page_size, BLOCK_N=plan.config.block_n,
-            PERSISTENT=plan.schedule.backend == "workqueue", RETURN_LSE=return_lse,
+            PERSISTENT=plan.schedule.backend == "workqueue",
+            TASKS_ON_DEVICE=plan.num_tasks_buf is not None, RETURN_LSE=return_lse,
             UPCAST=interpreting())
         # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
         # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's

@@ -112,27 +112,31 @@ def _decode_task(row, kv_head, split,
                              mask, g_mask, NUM_QO_HEADS, RETURN_LSE)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_tasks", "split_tokens"])
-def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr,
+@triton.jit(do_not_specialize=["num_rows", "num_tasks", "task_capacity", "split_tokens"])
+def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, num_tasks_ptr,
                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_page, stride_head, stride_tok, stride_kv,
-                        num_rows, num_tasks, split_tokens, scale_log2,
+                        num_rows, num_tasks, task_capacity, split_tokens, scale_log2,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr,
-                        RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
+                        TASKS_ON_DEVICE: tl.constexpr, RETURN_LSE: tl.constexpr,
+                        UPCAST: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
 
     meta: int32 [3, num_rows] = (seq_len, first entry of the row in indices, first partial slot or -1).
-    tasks: int32 [2, num_tasks] = (row, split), read only when PERSISTENT. counters: int32
+    tasks: int32 [2, task_capacity] = (row, split), read only when PERSISTENT; the task count is
+    num_tasks, or with TASKS_ON_DEVICE the int32 at num_tasks_ptr (planned on the GPU). counters: int32
     [num_rows, NUM_KV_HEADS], zero between launches (the merging task resets its own).
     """
     if PERSISTENT:
+        if TASKS_ON_DEVICE:
+            num_tasks = tl.load(num_tasks_ptr)
         for t in tl.range(tl.program_id(0), num_tasks * NUM_KV_HEADS, tl.num_programs(0)):
             task = t // NUM_KV_HEADS
             row = tl.load(tasks_ptr + task)
-            split = tl.load(tasks_ptr + num_tasks + task)
+            split = tl.load(tasks_ptr + task_capacity + task)
             _decode_task(row, t % NUM_KV_HEADS, split, q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
