@@ -31,15 +31,17 @@ def test_deterministic_mode_is_batch_invariant(backend):
 
 
 def test_default_mode_split_size_depends_on_the_batch():
-    """Why deterministic mode exists: the default split size follows the batch's total length."""
-    case = make_case(seq_lens=[1200, 5, 700, 64, 2100], **HEADS)
+    """Why deterministic mode exists: the default split size follows the batch's total length
+    (rows long enough that the minimum split does not decide, on the interpreter and on a GPU)."""
+    case = make_case(seq_lens=[40000, 60000, 30000], num_qo_heads=2, num_kv_heads=2, head_dim=16,
+                     page_size=16)
+    heads = dict(num_qo_heads=2, num_kv_heads=2, head_dim=16, page_size=16)
     sizes = set()
-    for rows in ([0], [0, 4, 2]):
+    for rows in ([0], [0, 1, 2]):
         wrapper = DecodeWrapper("NHD")
-        sizes.add(wrapper.plan(**csr_kwargs(_subtable(case.table, rows)), **HEADS,
-                               backend="split").schedule.split_tokens)
-        det = wrapper.plan(**csr_kwargs(_subtable(case.table, rows)), **HEADS, backend="split",
-                           deterministic=True)
+        sub = csr_kwargs(_subtable(case.table, rows))
+        sizes.add(wrapper.plan(**sub, **heads, backend="split").schedule.split_tokens)
+        det = wrapper.plan(**sub, **heads, backend="split", deterministic=True)
         assert det.schedule.split_tokens == 512
     assert len(sizes) == 2
 
