@@ -155,3 +155,20 @@ def test_host_metadata_with_device_indices(case):
     with pytest.raises(ValueError, match="page indices"):
         DecodeWrapper("NHD").plan(kv_indptr=kw["kv_indptr"], kv_indices=kw["kv_indices"].cpu(),
                                   kv_last_page_len=kw["kv_last_page_len"], **HEADS)
+
+
+def test_block_table_padding_is_ignored_but_used_entries_are_checked(case):
+    """vLLM pads block tables (0, -1 or stale pages): only each row's used entries are checked."""
+    block_table, seq_lens = case.table.block_table(case.q.device, pad_to=6)   # rows use 2 and 3
+    wrapper = DecodeWrapper("NHD")
+    for pad in (-1, 10_000):
+        padded = block_table.clone()
+        padded[0, 2:] = pad
+        padded[1, 3:] = pad
+        wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS)
+        wrapper.run(case.q, case.kv_cache)                         # no false alarm
+    padded = block_table.clone()
+    padded[1, 2] = 10_000                                          # a used entry
+    wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS)
+    with pytest.raises(ValueError, match="page index 10000 .* outside the pool"):
+        wrapper.run(case.q, case.kv_cache)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ class DecodePlan:
     device: torch.device
     config: KernelConfig
     num_tasks_buf: torch.Tensor | None = None   # int32 [1] task count, when planned on the GPU
+    exact_max_page: Callable[[], int] | None = None  # when max_page_index is only an upper bound
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -87,7 +89,8 @@ def _csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
         r = int(bad[0])
         raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
     seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-    return seq_lens, indptr[:-1], kv_indices[: int(indptr[-1])]
+    used = kv_indices[: int(indptr[-1])]
+    return seq_lens, indptr[:-1], used, lambda: used
 
 
 def _block_rows(block_table, seq_lens, page_size: int):
@@ -109,10 +112,16 @@ def _block_rows(block_table, seq_lens, page_size: int):
         raise ValueError(f"seq_lens[{r}]={lens[r]} needs {-(-lens[r] // page_size)} pages of "
                          f"{page_size} tokens, but block_table has only {width} per row")
     pages = -(-lens // page_size)
-    used = torch.arange(width, device=block_table.device)[None, :] < torch.from_numpy(pages).to(
-        block_table.device)[:, None]
     starts = np.arange(len(lens), dtype=np.int64) * block_table.stride(0)
-    return lens, starts, block_table[used]
+    # The used entries are a ragged prefix of each row: read the dense columns that hold them (one
+    # op), and the ragged part exactly only when the padding there gets in the way (see plan()).
+    dense = block_table[:, : int(pages.max()) if len(pages) else 0]
+
+    def exact() -> torch.Tensor:
+        cols = torch.arange(dense.shape[1], device=dense.device)[None, :]
+        return dense[cols < torch.from_numpy(pages).to(dense.device)[:, None]]
+
+    return lens, starts, dense, exact
 
 
 def _cache_views(kv_cache, layout: str):
@@ -237,10 +246,10 @@ class DecodeWrapper:
                                         page_size=page_size, backend=backend,
                                         split_pages=split_pages, sm_scale=sm_scale, config=config)
         if all(t is not None for t in csr) and all(t is None for t in block):
-            lens, starts, used = _csr_rows(*csr, page_size)
+            lens, starts, used, exact_used = _csr_rows(*csr, page_size)
             indices, device = kv_indices, kv_indices.device
         elif all(t is not None for t in block) and all(t is None for t in csr):
-            lens, starts, used = _block_rows(*block, page_size)
+            lens, starts, used, exact_used = _block_rows(*block, page_size)
             indices, device = block_table, block_table.device
         else:
             raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
@@ -254,9 +263,11 @@ class DecodeWrapper:
         max_page = -1
         if used.numel():
             lo, hi = (int(x) for x in torch.aminmax(used))
-            if lo < 0:
-                raise ValueError(f"page index {lo} in the page table is negative")
-            max_page = hi
+            if lo < 0:   # block-table padding may be negative: look at the used entries alone
+                lo, hi = (int(x) for x in torch.aminmax(exact_used()))
+                if lo < 0:
+                    raise ValueError(f"page index {lo} in the page table is negative")
+            max_page = hi   # an upper bound; run() checks it against the pool (exactly if needed)
 
         schedule = build_schedule(lens, starts, backend=backend, page_size=page_size,
                                   num_kv_heads=num_kv_heads, sm_count=sm_count(device),
@@ -273,7 +284,7 @@ class DecodeWrapper:
             head_dim=head_dim, page_size=page_size,
             sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
             schedule=schedule, indices=indices, meta=meta, tasks=tasks, max_page_index=max_page,
-            device=device, config=config)
+            device=device, config=config, exact_max_page=lambda: int(exact_used().max()))
         self._prepared = {}
         return self._plan
 
@@ -439,8 +450,10 @@ class DecodeWrapper:
                              f"head_dim={dim}; the plan has {plan.num_kv_heads}, {plan.page_size}, "
                              f"{plan.head_dim}")
         if plan.max_page_index >= num_pages:
-            raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
-                             f"pool of {num_pages} pages")
+            exact = plan.exact_max_page() if plan.exact_max_page else plan.max_page_index
+            if exact >= num_pages:
+                raise ValueError(f"page index {exact} in the page table is outside the pool of "
+                                 f"{num_pages} pages")
         if out is None:
             out_strides, out_align = (q.shape[1] * q.shape[2], q.shape[2], 1), 0
         else:
