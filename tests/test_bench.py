@@ -30,12 +30,12 @@ class WrongBackend(Backend):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the same command runs the full suite: too long for a test")
 def test_functional_bench_writes_results(tmp_path):
-    assert main(["bench", "--out", str(tmp_path), "--backends", "pkv-split,pkv-workqueue,per-sequence"]) == 0
+    assert main(["bench", "--out", str(tmp_path), "--backends", "pkv-split,pkv-workqueue,pkv-graph,per-sequence"]) == 0
     data = json.loads((tmp_path / "traces-functional.json").read_text())
     env = data["environment"]
     assert env["functional_only"] and env["torch"] == torch.__version__ and "date" in env
     rows = {r["backend"]: r for r in data["summary"]}
-    assert set(rows) == {"pkv-split", "pkv-workqueue", "per-sequence"}
+    assert set(rows) == {"pkv-split", "pkv-workqueue", "pkv-graph", "per-sequence"}
     assert all(r["status"] == "ok" and r["max_error"] < 2e-3 and r["steps"] == 2 for r in rows.values())
     assert (tmp_path / "traces-functional.csv").read_text().startswith("case,")
 

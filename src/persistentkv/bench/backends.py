@@ -12,9 +12,11 @@ from typing import Callable
 import torch
 
 PKV_BACKENDS = ("grouped", "split", "workqueue")
+PKV_GRAPH = "pkv-graph"
 FLASHINFER_BACKENDS = ("fi-cuda-core", "fi-tensor-core", "fi-xqa")
 BASELINES = ("padded-sdpa", "per-sequence")
-ALL_BACKENDS = tuple(f"pkv-{b}" for b in PKV_BACKENDS) + FLASHINFER_BACKENDS + BASELINES
+ALL_BACKENDS = (tuple(f"pkv-{b}" for b in PKV_BACKENDS) + (PKV_GRAPH,) + FLASHINFER_BACKENDS
+                + BASELINES)
 
 
 class Unsupported(Exception):
@@ -49,9 +51,13 @@ class StepInputs:
 
 
 class Backend:
-    """plan(step) once per step on the host; run(layer) launches the layer's attention."""
+    """plan(step) once per step on the host; run(layer) launches the layer's attention.
+
+    capture_plan: plan() is capturable and belongs in the CUDA graph with the runs.
+    """
 
     name = "backend"
+    capture_plan = False
 
     def plan(self, step: StepInputs) -> None:
         raise NotImplementedError
@@ -76,6 +82,42 @@ class PersistentKV(Backend):
                           page_size=step.page_size, backend=self.schedule,
                           split_pages=self.split_pages, config=self.config)
         self.outs = [torch.empty_like(q) for q in step.queries]
+
+    def run(self, layer: int) -> torch.Tensor:
+        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+
+
+class PersistentKVGraph(Backend):
+    """Graph mode: the page table copied into static buffers and planned on the GPU; plan() and
+    the L runs are captured together (one graph for the step, no host planning)."""
+
+    name = PKV_GRAPH
+    capture_plan = True
+
+    def __init__(self, *, layout: str):
+        self.layout = layout
+        self.wrapper = None
+        self.sizes: tuple = ()
+
+    def plan(self, step: StepInputs) -> None:
+        from ..wrapper import DecodeWrapper
+
+        sizes = (step.batch_size, step.kv_indices.numel(), step.num_qo_heads, step.head_dim)
+        if sizes != self.sizes:                      # new buffers outside any capture
+            self.sizes = sizes
+            self.wrapper = DecodeWrapper(self.layout, use_cuda_graph=True,
+                                         max_batch_size=max(1, step.batch_size),
+                                         max_num_pages=max(1, step.kv_indices.numel()))
+            self.static = [t.clone() for t in (step.kv_indptr, step.kv_indices,
+                                               step.kv_last_page_len)]
+            self.outs = [torch.empty_like(q) for q in step.queries]
+        for dst, src in zip(self.static, (step.kv_indptr, step.kv_indices, step.kv_last_page_len)):
+            dst.copy_(src)
+        self.step = step
+        self.wrapper.plan(kv_indptr=self.static[0], kv_indices=self.static[1],
+                          kv_last_page_len=self.static[2], num_qo_heads=step.num_qo_heads,
+                          num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
+                          page_size=step.page_size)
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
@@ -217,6 +259,7 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
         f"pkv-{b}": (lambda b=b: PersistentKV(b, layout=layout, split_pages=split_pages))
         for b in PKV_BACKENDS
     }
+    factories[PKV_GRAPH] = lambda: PersistentKVGraph(layout=layout)
     factories["padded-sdpa"] = PaddedSDPA
     factories["per-sequence"] = PerSequence
     if fi is not None:

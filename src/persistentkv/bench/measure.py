@@ -93,22 +93,28 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
     result.plan_us = statistics.median(plans)
     result.run_us = statistics.median(runs)
     if device.type == "cuda":
-        result.graph_us = graph_time_per_layer(backend, layers, reps=graph_reps)
+        result.graph_us = graph_time_per_layer(backend, step, layers, reps=graph_reps)
     return result
 
 
-def graph_time_per_layer(backend: Backend, layers: int, *, reps: int) -> float:
-    """Median device time of one layer: the L runs of the planned step captured in one CUDA graph."""
+def graph_time_per_layer(backend: Backend, step: StepInputs, layers: int, *, reps: int) -> float:
+    """Median device time of one layer: the L runs of the planned step captured in one CUDA graph
+    (with the plan too, divided over the layers, for a backend that plans on the GPU)."""
+
+    def body():
+        if backend.capture_plan:
+            backend.plan(step)
+        for layer in range(layers):
+            backend.run(layer)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):          # warm-up on the capture stream
-        for layer in range(layers):
-            backend.run(layer)
+        body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for layer in range(layers):
-            backend.run(layer)
+        body()
     graph.replay()
     times = []
     for _ in range(reps):

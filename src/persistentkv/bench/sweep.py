@@ -53,7 +53,7 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
             b = PersistentKV(backend, layout=shape.layout, config=cfg)
             b.plan(step)
             err = relative_error(b.run(0), ref)
-            us = graph_time_per_layer(b, layers, reps=reps) if err <= TOLERANCE[shape.dtype] else math.nan
+            us = graph_time_per_layer(b, step, layers, reps=reps) if err <= TOLERANCE[shape.dtype] else math.nan
             rows.append({"cell": cell, "backend": backend, **cfg.__dict__, "us": us, "error": err,
                          "split_tokens": b.wrapper.plan_info.schedule.split_tokens,
                          "tbps": kv_bytes_per_layer(step) / us / 1e6 if us == us else math.nan})
