@@ -69,7 +69,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     paths = [Path(p) for p in args.results]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise SystemExit(f"no such results file: {', '.join(missing)}")
+        raise FileNotFoundError(f"no such results file: {', '.join(missing)}")
     for p in make_report(paths, Path(args.out)):
         print(f"wrote {p}")
     return 0
@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:   # bad input: a message, not a traceback
+        print(f"persistentkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -40,6 +40,16 @@ class RunOptions:
     memory_budget_gb: float = 60.0  # for all layers' pools together
     seed: int = 0
 
+    def __post_init__(self):
+        for name in ("layers", "samples", "eager_reps", "check_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(self.graph_reps, bool) or not isinstance(self.graph_reps, int) or self.graph_reps < 0:
+            raise ValueError(f"graph_reps must be a non-negative int, got {self.graph_reps!r}")
+        if not self.memory_budget_gb > 0:
+            raise ValueError(f"memory budget must be > 0 GB, got {self.memory_budget_gb!r}")
+
 
 @dataclass
 class Measured:

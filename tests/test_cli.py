@@ -1,0 +1,25 @@
+"""The command line: bad input gets a one-line error naming the value, and exit code 2."""
+import pytest
+
+from persistentkv.cli import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--layers", "0"], "layers must be a positive int, got 0"),
+    (["bench", "--samples", "-2"], "samples must be a positive int, got -2"),
+    (["bench", "--memory-gb", "0"], "memory budget must be > 0 GB, got 0.0"),
+    (["bench", "--backends", "pkv-fast"], "unknown backend(s) ['pkv-fast']"),
+    (["bench", "--trace-file", "no/such/trace.jsonl"], "no/such/trace.jsonl"),
+    (["report", "no/such/results.json"], "no such results file: no/such/results.json"),
+])
+def test_bad_arguments(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_trace_file_names_the_line(tmp_path, capsys):
+    path = tmp_path / "mine.csv"
+    path.write_text("context_len,output_len\n100,5\nabc,3\n")
+    assert main(["bench", "--trace-file", str(path), "--batch-slots", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "line 3" in err and "'abc'" in err
