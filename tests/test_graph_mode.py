@@ -1,5 +1,4 @@
 """Graph mode: planning on the GPU into static buffers, one graph for every batch composition."""
-import numpy as np
 import pytest
 import torch
 

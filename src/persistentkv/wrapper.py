@@ -17,6 +17,7 @@ import triton
 
 from .cache import CACHE_DTYPES, check_layout
 from .checks import check_positive_int, check_same_device, check_tensor
+from .page_inputs import block_rows, cache_views, csr_rows
 from .kernels.decode import paged_decode_kernel
 from .kernels.plan import plan_workqueue_kernel
 from .runtime import check_interpreter_numpy, interpreting, sm_count
@@ -48,107 +49,6 @@ class DecodePlan:
     config: KernelConfig
     num_tasks_buf: torch.Tensor | None = None   # int32 [1] task count, when planned on the GPU
     exact_max_page: Callable[[], int] | None = None  # when max_page_index is only an upper bound
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().astype(np.int64)
-
-
-def _check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None:
-    """Lengths and offsets may sit on the host (no device-to-host copy in plan()) or beside the
-    page indices."""
-    for name, t in tensors.items():
-        if t.device != device and t.device.type != "cpu":
-            raise ValueError(f"{name} is on {t.device}; it must be on the CPU or on {device} with "
-                             f"the page indices")
-
-
-def _csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
-    """(seq_lens, page_starts, used page indices) from FlashInfer's CSR page table, checked."""
-    check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
-    check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
-    check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
-    batch = kv_last_page_len.shape[0]
-    if kv_indptr.shape[0] != batch + 1:
-        raise ValueError(f"kv_indptr must have batch_size + 1 = {batch + 1} entries (kv_last_page_len "
-                         f"has {batch}), got {kv_indptr.shape[0]}")
-    _check_metadata_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
-    indptr, last = _host(kv_indptr), _host(kv_last_page_len)
-    if indptr[0] != 0:
-        raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
-    pages = np.diff(indptr)
-    if (pages < 0).any():
-        row = int(np.flatnonzero(pages < 0)[0])
-        raise ValueError(f"kv_indptr must be non-decreasing, got kv_indptr[{row}]={indptr[row]} > "
-                         f"kv_indptr[{row + 1}]={indptr[row + 1]}")
-    if indptr[-1] > kv_indices.shape[0]:
-        raise ValueError(f"kv_indptr[-1]={indptr[-1]} is past the end of kv_indices "
-                         f"({kv_indices.shape[0]} entries)")
-    bad = np.flatnonzero((pages > 0) & ((last < 1) | (last > page_size)))
-    if len(bad):
-        r = int(bad[0])
-        raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
-    seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-    used = kv_indices[: int(indptr[-1])]
-    return seq_lens, indptr[:-1], used, lambda: used
-
-
-def _block_rows(block_table, seq_lens, page_size: int):
-    """(seq_lens, page_starts, used page indices) from vLLM's block_table + seq_lens, checked."""
-    check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
-    if block_table.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has "
-                         f"{seq_lens.shape[0]} entries")
-    _check_metadata_device(block_table.device, seq_lens=seq_lens)
-    if block_table.shape[0] and block_table.stride(1) != 1:
-        raise ValueError(f"block_table must be contiguous along its last dim, got strides "
-                         f"{block_table.stride()}")
-    lens = _host(seq_lens)
-    width = block_table.shape[1]
-    over = np.flatnonzero(-(-lens // page_size) > width)
-    if len(over):
-        r = int(over[0])
-        raise ValueError(f"seq_lens[{r}]={lens[r]} needs {-(-lens[r] // page_size)} pages of "
-                         f"{page_size} tokens, but block_table has only {width} per row")
-    pages = -(-lens // page_size)
-    starts = np.arange(len(lens), dtype=np.int64) * block_table.stride(0)
-    # The used entries are a ragged prefix of each row: read the dense columns that hold them (one
-    # op), and the ragged part exactly only when the padding there gets in the way (see plan()).
-    dense = block_table[:, : int(pages.max()) if len(pages) else 0]
-
-    def exact() -> torch.Tensor:
-        cols = torch.arange(dense.shape[1], device=dense.device)[None, :]
-        return dense[cols < torch.from_numpy(pages).to(dense.device)[:, None]]
-
-    return lens, starts, dense, exact
-
-
-def _cache_views(kv_cache, layout: str):
-    """(k, v, shape (P, H, S, D)) from a [P, 2, ...] pool or a (k, v) pair of [P, ...] tensors."""
-    if isinstance(kv_cache, (tuple, list)):
-        if len(kv_cache) != 2:
-            raise ValueError(f"kv_cache as a sequence must be (k, v), got {len(kv_cache)} items")
-        k = check_tensor("kv_cache[0] (k)", kv_cache[0])
-        v = check_tensor("kv_cache[1] (v)", kv_cache[1])
-        if k.dim() != 4 or v.shape != k.shape:
-            raise ValueError(f"kv_cache (k, v) must be two 4-D tensors of one shape, got "
-                             f"{list(k.shape)} and {list(v.shape)}")
-        if v.dtype != k.dtype or v.device != k.device:
-            raise TypeError(f"kv_cache k and v differ: {k.dtype} on {k.device}, {v.dtype} on {v.device}")
-    else:
-        check_tensor("kv_cache", kv_cache)
-        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-            want = "[P, 2, H, S, D] (HND)" if layout == "HND" else "[P, 2, S, H, D] (NHD)"
-            raise ValueError(f"kv_cache fits neither layout: expected {want} or a (k, v) pair, got "
-                             f"shape {list(kv_cache.shape)}")
-        k, v = kv_cache[:, 0], kv_cache[:, 1]
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
-        raise ValueError(f"kv_cache must be contiguous along head_dim with equal K and V strides, got "
-                         f"{k.stride()} and {v.stride()}")
-    p, a, b, d = k.shape
-    heads, page = (a, b) if layout == "HND" else (b, a)
-    return k, v, (p, heads, page, d)
 
 
 class DecodeWrapper:
@@ -246,10 +146,10 @@ class DecodeWrapper:
                                         page_size=page_size, backend=backend,
                                         split_pages=split_pages, sm_scale=sm_scale, config=config)
         if all(t is not None for t in csr) and all(t is None for t in block):
-            lens, starts, used, exact_used = _csr_rows(*csr, page_size)
+            lens, starts, used, exact_used = csr_rows(*csr, page_size)
             indices, device = kv_indices, kv_indices.device
         elif all(t is not None for t in block) and all(t is None for t in csr):
-            lens, starts, used, exact_used = _block_rows(*block, page_size)
+            lens, starts, used, exact_used = block_rows(*block, page_size)
             indices, device = block_table, block_table.device
         else:
             raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
@@ -414,7 +314,7 @@ class DecodeWrapper:
         if out is not None or return_lse:
             raise ValueError("under torch.compile, run() returns a new output and no lse: "
                              "call it without out= and return_lse=")
-        k, v, _ = _cache_views(kv_cache, self.kv_layout)
+        k, v, _ = cache_views(kv_cache, self.kv_layout)
         stride_page = k.stride(0)
         stride_head, stride_tok = ((k.stride(1), k.stride(2)) if self.kv_layout == "HND"
                                    else (k.stride(2), k.stride(1)))
@@ -441,7 +341,7 @@ class DecodeWrapper:
                              f"planned, got {list(q.shape)}")
         if q.stride(-1) != 1:
             raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
-        k, v, (num_pages, heads, page, dim) = _cache_views(kv_cache, self.kv_layout)
+        k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, self.kv_layout)
         if k.dtype != q.dtype:
             raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
         check_same_device(plan.device, q=q, kv_cache=k)

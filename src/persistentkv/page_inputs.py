@@ -1,0 +1,110 @@
+"""Reading the page-table and cache arguments: shapes, dtypes, devices and values, checked.
+
+Every error names the argument and the value it got.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .checks import check_tensor
+
+def host_int64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().astype(np.int64)
+
+
+def check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Lengths and offsets may sit on the host (no device-to-host copy in plan()) or beside the
+    page indices."""
+    for name, t in tensors.items():
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; it must be on the CPU or on {device} with "
+                             f"the page indices")
+
+
+def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
+    """(seq_lens, page_starts, used page indices) from FlashInfer's CSR page table, checked."""
+    check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
+    check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
+    check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
+    batch = kv_last_page_len.shape[0]
+    if kv_indptr.shape[0] != batch + 1:
+        raise ValueError(f"kv_indptr must have batch_size + 1 = {batch + 1} entries (kv_last_page_len "
+                         f"has {batch}), got {kv_indptr.shape[0]}")
+    check_metadata_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
+    indptr, last = host_int64(kv_indptr), host_int64(kv_last_page_len)
+    if indptr[0] != 0:
+        raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
+    pages = np.diff(indptr)
+    if (pages < 0).any():
+        row = int(np.flatnonzero(pages < 0)[0])
+        raise ValueError(f"kv_indptr must be non-decreasing, got kv_indptr[{row}]={indptr[row]} > "
+                         f"kv_indptr[{row + 1}]={indptr[row + 1]}")
+    if indptr[-1] > kv_indices.shape[0]:
+        raise ValueError(f"kv_indptr[-1]={indptr[-1]} is past the end of kv_indices "
+                         f"({kv_indices.shape[0]} entries)")
+    bad = np.flatnonzero((pages > 0) & ((last < 1) | (last > page_size)))
+    if len(bad):
+        r = int(bad[0])
+        raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
+    seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    used = kv_indices[: int(indptr[-1])]
+    return seq_lens, indptr[:-1], used, lambda: used
+
+
+def block_rows(block_table, seq_lens, page_size: int):
+    """(seq_lens, page_starts, used page indices) from vLLM's block_table + seq_lens, checked."""
+    check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
+    if block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has "
+                         f"{seq_lens.shape[0]} entries")
+    check_metadata_device(block_table.device, seq_lens=seq_lens)
+    if block_table.shape[0] and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be contiguous along its last dim, got strides "
+                         f"{block_table.stride()}")
+    lens = host_int64(seq_lens)
+    width = block_table.shape[1]
+    over = np.flatnonzero(-(-lens // page_size) > width)
+    if len(over):
+        r = int(over[0])
+        raise ValueError(f"seq_lens[{r}]={lens[r]} needs {-(-lens[r] // page_size)} pages of "
+                         f"{page_size} tokens, but block_table has only {width} per row")
+    pages = -(-lens // page_size)
+    starts = np.arange(len(lens), dtype=np.int64) * block_table.stride(0)
+    # The used entries are a ragged prefix of each row: read the dense columns that hold them (one
+    # op), and the ragged part exactly only when the padding there gets in the way (see plan()).
+    dense = block_table[:, : int(pages.max()) if len(pages) else 0]
+
+    def exact() -> torch.Tensor:
+        cols = torch.arange(dense.shape[1], device=dense.device)[None, :]
+        return dense[cols < torch.from_numpy(pages).to(dense.device)[:, None]]
+
+    return lens, starts, dense, exact
+
+
+def cache_views(kv_cache, layout: str):
+    """(k, v, shape (P, H, S, D)) from a [P, 2, ...] pool or a (k, v) pair of [P, ...] tensors."""
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2:
+            raise ValueError(f"kv_cache as a sequence must be (k, v), got {len(kv_cache)} items")
+        k = check_tensor("kv_cache[0] (k)", kv_cache[0])
+        v = check_tensor("kv_cache[1] (v)", kv_cache[1])
+        if k.dim() != 4 or v.shape != k.shape:
+            raise ValueError(f"kv_cache (k, v) must be two 4-D tensors of one shape, got "
+                             f"{list(k.shape)} and {list(v.shape)}")
+        if v.dtype != k.dtype or v.device != k.device:
+            raise TypeError(f"kv_cache k and v differ: {k.dtype} on {k.device}, {v.dtype} on {v.device}")
+    else:
+        check_tensor("kv_cache", kv_cache)
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            want = "[P, 2, H, S, D] (HND)" if layout == "HND" else "[P, 2, S, H, D] (NHD)"
+            raise ValueError(f"kv_cache fits neither layout: expected {want} or a (k, v) pair, got "
+                             f"shape {list(kv_cache.shape)}")
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
+        raise ValueError(f"kv_cache must be contiguous along head_dim with equal K and V strides, got "
+                         f"{k.stride()} and {v.stride()}")
+    p, a, b, d = k.shape
+    heads, page = (a, b) if layout == "HND" else (b, a)
+    return k, v, (p, heads, page, d)
