@@ -77,3 +77,23 @@ def test_summary_picks_flashinfer_best_per_step():
     best = rows["fi-best"]
     assert best["graph_us_per_layer"] == 3.5                   # median of the per-step best: 4 and 3
     assert abs(rows["pkv-split"]["speedup_graph_vs_fi_best"] - 1.0) < 1e-12
+
+
+class UncapturableBackend(PerSequence):
+    """Right answers, but its run() syncs with the host, which a CUDA graph capture refuses."""
+
+    name = "uncapturable"
+
+    def run(self, layer):
+        out = super().run(layer)
+        out.sum().item()
+        return out
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA graphs")
+def test_backend_that_cannot_be_captured_is_reported_failed():
+    measured = run_static("B2", [40, 90], [UncapturableBackend(), PerSequence()], shape=SHAPE,
+                          opts=OPTS, device=torch.device("cuda"))
+    by = {s["backend"]: s for s in measured.steps}
+    assert by["uncapturable"]["status"] == "failed" and "graph capture" in by["uncapturable"]["note"]
+    assert by["per-sequence"]["status"] == "ok"

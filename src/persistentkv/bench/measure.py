@@ -93,7 +93,11 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
     result.plan_us = statistics.median(plans)
     result.run_us = statistics.median(runs)
     if device.type == "cuda":
-        result.graph_us = graph_time_per_layer(backend, step, layers, reps=graph_reps)
+        try:
+            result.graph_us = graph_time_per_layer(backend, step, layers, reps=graph_reps)
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured is reported
+            torch.cuda.synchronize(device)
+            result.status, result.note = "failed", f"graph capture: {type(exc).__name__}: {exc}"[:300]
     return result
 
 
