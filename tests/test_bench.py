@@ -97,3 +97,18 @@ def test_backend_that_cannot_be_captured_is_reported_failed():
     by = {s["backend"]: s for s in measured.steps}
     assert by["uncapturable"]["status"] == "failed" and "graph capture" in by["uncapturable"]["note"]
     assert by["per-sequence"]["status"] == "ok"
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the same commands run the full calibration")
+def test_functional_calibrate_then_evaluate(tmp_path):
+    policy_path = tmp_path / "policy.json"
+    assert main(["calibrate", "--out", str(policy_path),
+                 "--candidates", "pkv-split,pkv-workqueue@4"]) == 0
+    policy = json.loads(policy_path.read_text())
+    assert policy["table"] and policy["fit"]["functional_only"]
+    assert main(["evaluate", "--policy", str(policy_path), "--out", str(tmp_path),
+                 "--backends", "pkv-split"]) == 0
+    data = json.loads((tmp_path / "evaluate.json").read_text())
+    (row,) = data["environment"]["evaluation"]
+    assert row["trace"] == "b2-bucketed/seed100" and sum(row["picks"].values()) == 2
+    assert {s["backend"] for s in data["steps"]} == {"pkv-split", "adaptive"}

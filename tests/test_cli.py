@@ -23,3 +23,14 @@ def test_bad_trace_file_names_the_line(tmp_path, capsys):
     assert main(["bench", "--trace-file", str(path), "--batch-slots", "2"]) == 2
     err = capsys.readouterr().err
     assert "line 3" in err and "'abc'" in err
+
+
+def test_parser_does_not_import_triton():
+    """The CLI picks Triton's interpreter on a machine without a GPU, which only works when
+    triton is imported after that choice (triton.language's jit helpers are decorated at import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, persistentkv.cli as c; c.build_parser(); "
+            "sys.exit(1 if 'triton' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -107,7 +107,7 @@ def test_mixed_page_table_forms_and_bad_options(case):
     kw = {**csr_kwargs(case.table), **block_kwargs(case.table)}
     with pytest.raises(ValueError, match="not a mix"):
         DecodeWrapper("NHD").plan(**kw, **HEADS)
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
         planned(case, backend="fast")
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         DecodeWrapper("NDH")

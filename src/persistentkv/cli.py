@@ -10,7 +10,8 @@ from pathlib import Path
 def choose_device() -> str:
     """'cuda' when a GPU is there; else the CPU, with the kernels in Triton's interpreter.
 
-    Must run before any kernel module is imported.
+    Must run before triton is imported at all (triton.language's own jit helpers are decorated
+    at import): the parser imports nothing that imports triton.
     """
     import torch
 
@@ -63,6 +64,45 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    device = choose_device()
+    import torch
+
+    from .bench.adaptive import run_calibrate
+    from .bench.runner import ModelShape, RunOptions
+
+    run_calibrate(device=torch.device(device), seeds=_ints(args.seeds),
+                  candidates=args.candidates.split(","), shape=ModelShape(layout=args.layout),
+                  opts=RunOptions(layers=args.layers, samples=args.samples),
+                  objective=args.objective, out_path=Path(args.out),
+                  from_results=[Path(p) for p in args.from_results] or None)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    device = choose_device()
+    import torch
+
+    from .bench.adaptive import run_evaluate
+    from .bench.runner import ModelShape, RunOptions
+    from .policy import load_policy
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    policy = load_policy(name, args.policy)
+    run_evaluate(device=torch.device(device), policy=policy, seeds=_ints(args.seeds),
+                 backends=args.backends.split(","), shape=ModelShape(layout=args.layout),
+                 opts=RunOptions(layers=args.layers, samples=args.samples), out_dir=Path(args.out),
+                 tag=args.tag)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .bench.report import make_report
 
@@ -83,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
 
-    from .bench.backends import ALL_BACKENDS
+    from .bench.backends import ALL_BACKENDS   # (no triton here: see choose_device)
 
     bench = sub.add_parser("bench", help="trace-replay benchmark against FlashInfer and baselines "
                                          "(GPU; on the CPU a tiny functional run)")
@@ -115,6 +155,33 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--layout", choices=["HND", "NHD"], default="HND")
     sweep.add_argument("--out", default="results/sweep.json")
     sweep.set_defaults(func=cmd_sweep)
+
+    from .policy import CALIBRATION_SEEDS, CANDIDATES, HELD_OUT_SEEDS
+
+    calibrate = sub.add_parser("calibrate", help="fit the adaptive policy on calibration traces")
+    calibrate.add_argument("--seeds", default=",".join(map(str, CALIBRATION_SEEDS)))
+    calibrate.add_argument("--candidates", default=",".join(CANDIDATES))
+    calibrate.add_argument("--objective", choices=["graph_us", "eager_us"], default="graph_us")
+    calibrate.add_argument("--from-results", nargs="*", default=[],
+                           help="refit from `persistentkv bench` JSON files instead of measuring")
+    calibrate.add_argument("--layers", type=int, default=32)
+    calibrate.add_argument("--samples", type=int, default=6)
+    calibrate.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    calibrate.add_argument("--out", default="results/policy.json")
+    calibrate.set_defaults(func=cmd_calibrate)
+
+    evaluate = sub.add_parser("evaluate", help="the adaptive policy against every fixed backend on "
+                                               "held-out trace seeds")
+    evaluate.add_argument("--policy", help="policy JSON (default: the one shipped for this GPU)")
+    evaluate.add_argument("--seeds", default=",".join(map(str, HELD_OUT_SEEDS)))
+    evaluate.add_argument("--backends", default="pkv-grouped,pkv-split,pkv-workqueue,"
+                                                "fi-cuda-core,fi-tensor-core,fi-xqa")
+    evaluate.add_argument("--layers", type=int, default=32)
+    evaluate.add_argument("--samples", type=int, default=8)
+    evaluate.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    evaluate.add_argument("--out", default="results")
+    evaluate.add_argument("--tag", default="evaluate")
+    evaluate.set_defaults(func=cmd_evaluate)
 
     report = sub.add_parser("report", help="PNG plots from results JSON files")
     report.add_argument("results", nargs="+")

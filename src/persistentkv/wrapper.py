@@ -65,8 +65,9 @@ class DecodeWrapper:
 
     def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None,
                  use_cuda_graph: bool = False, max_batch_size: int | None = None,
-                 max_num_pages: int | None = None):
+                 max_num_pages: int | None = None, policy=None):
         self.kv_layout = check_layout(kv_layout)
+        self.policy = policy   # for backend="auto"; default: the policy shipped for the GPU
         self._device = None if device is None else torch.device(device)
         self.use_cuda_graph = bool(use_cuda_graph)
         if self.use_cuda_graph:
@@ -103,7 +104,8 @@ class DecodeWrapper:
         kv_indices and block_table live on the kernel's device; kv_indptr, kv_last_page_len and
         seq_lens may be there too or on the host (then plan() copies nothing back from the device
         but its one check of the page indices' range).
-        backend: "grouped", "split" or "workqueue"; split_pages: pages per split (default: about
+        backend: "grouped", "split", "workqueue" or "auto" (the adaptive policy's choice among
+        them, policy.py); split_pages: pages per split (default: about
         config.waves tasks per SM); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's
         tile and launch shape (default: tuning.default_config). deterministic=True makes the output
         batch-invariant: splits of a fixed size in tokens (split_pages, default
@@ -122,8 +124,8 @@ class DecodeWrapper:
                              f"is over the supported {MAX_GROUP}")
         if head_dim % 16 or head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in BACKENDS + ("auto",):
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
         if split_pages is not None:
             check_positive_int("split_pages", split_pages)
         if not isinstance(deterministic, bool):
@@ -169,6 +171,12 @@ class DecodeWrapper:
                     raise ValueError(f"page index {lo} in the page table is negative")
             max_page = hi   # an upper bound; run() checks it against the pool (exactly if needed)
 
+        if backend == "auto":
+            choice = self._choose(lens, device=device, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                  page_size=page_size, group=num_qo_heads // num_kv_heads)
+            backend = choice.backend.removeprefix("pkv-")
+            if split_pages is None:
+                split_pages = choice.split_pages
         schedule = build_schedule(lens, starts, backend=backend, page_size=page_size,
                                   num_kv_heads=num_kv_heads, sm_count=sm_count(device),
                                   split_pages=split_pages, config=config)
@@ -188,10 +196,22 @@ class DecodeWrapper:
         self._prepared = {}
         return self._plan
 
+    def _choose(self, lens, *, device, num_kv_heads, head_dim, page_size, group):
+        """backend="auto": the policy's PersistentKV choice for this step (policy.py)."""
+        from .policy import StepFeatures, load_policy
+
+        if self.policy is None:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            self.policy = load_policy(name)
+        features = StepFeatures.of(lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                   elem_size=2, sm_count=sm_count(device), page_size=page_size,
+                                   group=group)
+        return self.policy.decide(features, pkv_only=True)
+
     def _plan_on_device(self, csr, block, *, num_qo_heads, num_kv_heads, head_dim, page_size,
                         backend, split_pages, sm_scale, config) -> DecodePlan:
         """plan() of graph mode: one launch of the GPU planner; capturable."""
-        if backend != "workqueue":
+        if backend not in ("workqueue", "auto"):
             raise ValueError(f"use_cuda_graph=True plans the work-queue schedule; got backend={backend!r}")
         max_b = self.max_batch_size
         if all(t is not None for t in csr) and all(t is None for t in block):

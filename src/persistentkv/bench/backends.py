@@ -70,7 +70,7 @@ class PersistentKV(Backend):
     def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None, config=None):
         from ..wrapper import DecodeWrapper  # imported late: the CLI picks the interpreter first
 
-        self.name = f"pkv-{schedule}"
+        self.name = f"pkv-{schedule}" if split_pages is None else f"pkv-{schedule}@{split_pages}"
         self.schedule, self.split_pages, self.config = schedule, split_pages, config
         self.wrapper = DecodeWrapper(layout)
 
@@ -121,6 +121,38 @@ class PersistentKVGraph(Backend):
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+
+
+class Adaptive(Backend):
+    """The adaptive policy: per step, the backend the policy picks among `backends` (by name, as
+    Choice.label gives it); PersistentKV's own pick when the policy's is not available here."""
+
+    name = "adaptive"
+
+    def __init__(self, policy, backends: list[Backend], *, sm_count: int):
+        self.policy, self.sm_count = policy, sm_count
+        self.by_name = {b.name: b for b in backends}
+        self.last_choice = ""
+
+    def plan(self, step: StepInputs) -> None:
+        from ..policy import StepFeatures
+
+        features = StepFeatures.of(step.seq_lens_host, num_kv_heads=step.num_kv_heads,
+                                   head_dim=step.head_dim, elem_size=step.pools[0].element_size(),
+                                   sm_count=self.sm_count, page_size=step.page_size,
+                                   group=step.num_qo_heads // step.num_kv_heads)
+        choice = self.policy.decide(features)
+        if choice.label() not in self.by_name:
+            choice = self.policy.decide(features, pkv_only=True)
+        if choice.label() not in self.by_name:
+            raise Unsupported(f"the policy chose {choice.label()}, which is not built here")
+        self.current = self.by_name[choice.label()]
+        self.last_choice = choice.label()
+        self.capture_plan = self.current.capture_plan
+        self.current.plan(step)
+
+    def run(self, layer: int) -> torch.Tensor:
+        return self.current.run(layer)
 
 
 def flashinfer_version() -> str | None:
@@ -246,12 +278,24 @@ class PerSequence(Backend):
         return torch.cat(outs)
 
 
+def _split_variant(name: str) -> tuple[str, int] | None:
+    """'pkv-split@32' -> ('split', 32); None for any other name."""
+    head, _, pages = name.partition("@")
+    if head in ("pkv-split", "pkv-workqueue") and pages.isdigit() and int(pages) > 0:
+        return head[4:], int(pages)
+    return None
+
+
 def make_backends(names: list[str], *, layout: str, device: torch.device,
                   split_pages: int | None = None) -> tuple[list[Backend], dict[str, str]]:
-    """Build the named backends; returns (backends, {name: why it was skipped})."""
-    unknown = [n for n in names if n not in ALL_BACKENDS]
+    """Build the named backends; returns (backends, {name: why it was skipped}).
+
+    Besides ALL_BACKENDS, 'pkv-split@N' and 'pkv-workqueue@N' fix the split at N pages.
+    """
+    unknown = [n for n in names if n not in ALL_BACKENDS and _split_variant(n) is None]
     if unknown:
-        raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)}")
+        raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)} "
+                         f"or pkv-split@N / pkv-workqueue@N (N pages per split)")
     backends: list[Backend] = []
     skipped: dict[str, str] = {}
     fi = flashinfer_version() if device.type == "cuda" else None
@@ -273,7 +317,10 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
         xqa_ws = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
         factories["fi-xqa"] = lambda: FlashInferXQA(layout=layout, workspace=xqa_ws)
     for name in names:
-        if name in factories:
+        variant = _split_variant(name)
+        if variant is not None:
+            backends.append(PersistentKV(variant[0], layout=layout, split_pages=variant[1]))
+        elif name in factories:
             backends.append(factories[name]())
         else:
             skipped[name] = ("FlashInfer is not installed (pip install 'persistentkv[flashinfer]')"

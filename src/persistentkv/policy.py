@@ -1,0 +1,173 @@
+"""Adaptive policy: which backend (and split size) serves a decode step, from the step's features.
+
+A policy is a small decision table fitted by `persistentkv calibrate`: the steps' features are
+binned by active rows, longest context and spread (longest / mean), and each bin holds the
+candidate that was fastest in total over the calibration steps that fell in it. Pure Python,
+deterministic, a few microseconds per decision; saved as JSON per GPU model. A GPU with no fitted
+policy gets FALLBACK, a rule that needs no measurement (documented on `fallback_choice`).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+CALIBRATION_SEEDS = (1, 2)                 # trace seeds the policy is fitted on
+HELD_OUT_SEEDS = (100,)                   # trace seeds it is judged on (never seen in the fit)
+CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-workqueue", "pkv-split@16", "pkv-split@64",
+              "pkv-workqueue@16", "pkv-workqueue@64", "fi-cuda-core", "fi-tensor-core", "fi-xqa")
+ROW_EDGES = (1, 4, 8, 32)                 # bins: 1 | 2-4 | 5-8 | 9-32 | >32 rows
+MAX_LEN_EDGES = (2048, 8192, 32768)       # bins: <=2K | <=8K | <=32K | >32K tokens
+SPREAD_EDGES = (2.0,)                     # bins: even (max/mean <= 2) | skewed
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What the policy sees of a step (lengths in tokens)."""
+
+    rows: int
+    total_tokens: int
+    max_len: int
+    mean_len: float
+    spread: float                          # max_len / mean_len, >= 1
+    kv_bytes: int
+    sm_count: int
+    page_size: int
+    group: int
+
+    @classmethod
+    def of(cls, seq_lens, *, num_kv_heads: int, head_dim: int, elem_size: int, sm_count: int,
+           page_size: int, group: int) -> "StepFeatures":
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        rows = len(lens)
+        total = int(lens.sum()) if rows else 0
+        longest = int(lens.max()) if rows else 0
+        mean = total / rows if rows else 0.0
+        return cls(rows=rows, total_tokens=total, max_len=longest, mean_len=mean,
+                   spread=longest / mean if mean else 1.0,
+                   kv_bytes=total * num_kv_heads * head_dim * 2 * elem_size, sm_count=sm_count,
+                   page_size=page_size, group=group)
+
+    def bin(self) -> str:
+        return bin_of(rows=self.rows, max_len=self.max_len, total_tokens=self.total_tokens)
+
+
+def bin_of(*, rows: int, max_len: int, total_tokens: int) -> str:
+    """The decision-table key, e.g. 'r2-l1-s0' (row bin, longest-context bin, spread bin)."""
+    spread = max_len * rows / total_tokens if total_tokens else 1.0
+    return (f"r{bisect.bisect_left(ROW_EDGES, rows)}"
+            f"-l{bisect.bisect_left(MAX_LEN_EDGES, max_len)}"
+            f"-s{bisect.bisect_left(SPREAD_EDGES, spread)}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A backend name as the benchmark knows it ('pkv-split', 'fi-xqa', ...) and, for PersistentKV's
+    split and work-queue, the pages per split (None: the kernel's default rule)."""
+
+    backend: str
+    split_pages: int | None = None
+
+    def label(self) -> str:
+        return self.backend if self.split_pages is None else f"{self.backend}@{self.split_pages}"
+
+
+def fallback_choice(features: StepFeatures) -> Choice:
+    """Rule for a GPU without a fitted policy: PersistentKV only (FlashInfer may be absent),
+    whole rows ('grouped') when rows x KV heads fill the SMs, the work-queue for skewed batches
+    (spread > 2), else split-K with the default split size."""
+    if features.rows >= features.sm_count:
+        return Choice("pkv-grouped")
+    return Choice("pkv-workqueue" if features.spread > 2.0 else "pkv-split")
+
+
+@dataclass
+class Policy:
+    """table: bin -> best Choice overall; pkv_table: bin -> best PersistentKV Choice (what
+    `plan(backend="auto")` can run without FlashInfer)."""
+
+    gpu: str
+    table: dict[str, Choice] = field(default_factory=dict)
+    pkv_table: dict[str, Choice] = field(default_factory=dict)
+    fit: dict = field(default_factory=dict)     # how it was fitted: traces, seeds, objective, counts
+
+    def decide(self, features: StepFeatures, *, pkv_only: bool = False) -> Choice:
+        table = self.pkv_table if pkv_only else self.table
+        choice = table.get(features.bin())
+        return choice if choice is not None else fallback_choice(features)
+
+    # -- JSON ------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({"gpu": self.gpu,
+                           "table": {k: asdict(v) for k, v in sorted(self.table.items())},
+                           "pkv_table": {k: asdict(v) for k, v in sorted(self.pkv_table.items())},
+                           "fit": self.fit}, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Policy":
+        data = json.loads(text)
+        try:
+            return cls(gpu=data["gpu"],
+                       table={k: Choice(**v) for k, v in data["table"].items()},
+                       pkv_table={k: Choice(**v) for k, v in data["pkv_table"].items()},
+                       fit=data.get("fit", {}))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a policy file: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+
+def policy_file_name(gpu_name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200.json'."""
+    return "-".join(gpu_name.lower().split()) + ".json"
+
+
+def load_policy(gpu_name: str, path: str | Path | None = None) -> Policy:
+    """The fitted policy shipped for `gpu_name` (or the file at `path`); the fallback-only policy
+    when there is none."""
+    if path is not None:
+        return Policy.from_json(Path(path).read_text())
+    shipped = resources.files("persistentkv") / "policies" / policy_file_name(gpu_name)
+    if shipped.is_file():
+        return Policy.from_json(shipped.read_text())
+    return Policy(gpu=gpu_name, fit={"note": "no fitted policy for this GPU: fallback rule"})
+
+
+def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
+               info: dict | None = None) -> Policy:
+    """Decision table from measured steps.
+
+    steps: one dict per (step, candidate) with 'bin' (StepFeatures.bin of the step), 'step_key'
+    (unique per step), 'choice' (Choice.label), 'backend', 'split_pages', 'status' and the
+    objective (us, lower is better). In each bin the candidate with the lowest total over the bin's
+    steps wins, among candidates measured (status ok) on every one of those steps.
+    """
+    if objective not in ("graph_us", "eager_us"):
+        raise ValueError(f"objective must be 'graph_us' or 'eager_us', got {objective!r}")
+    by_bin: dict[str, dict[str, list]] = {}
+    choices: dict[str, Choice] = {}
+    for s in steps:
+        choices[s["choice"]] = Choice(s["backend"], s.get("split_pages"))
+        entry = by_bin.setdefault(s["bin"], {}).setdefault(s["choice"], [])
+        entry.append(s[objective] if s["status"] == "ok" else float("inf"))
+    table, pkv_table, counts = {}, {}, {}
+    for bin_key, per_choice in sorted(by_bin.items()):
+        n = max(len(v) for v in per_choice.values())
+        totals = {c: sum(v) for c, v in per_choice.items() if len(v) == n}
+        ranked = sorted((t, c) for c, t in totals.items() if t < float("inf"))
+        if not ranked:
+            continue
+        table[bin_key] = choices[ranked[0][1]]
+        pkv = [c for _, c in ranked if c.startswith("pkv-")]
+        if pkv:
+            pkv_table[bin_key] = choices[pkv[0]]
+        counts[bin_key] = {"steps": n, "best": ranked[0][1],
+                           "median_us": statistics.median(per_choice[ranked[0][1]])}
+    return Policy(gpu=gpu, table=table, pkv_table=pkv_table,
+                  fit={**(info or {}), "objective": objective, "bins": counts})

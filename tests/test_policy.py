@@ -1,0 +1,94 @@
+"""The adaptive policy: features, bins, the fit, JSON, the fallback, and plan(backend="auto")."""
+import time
+
+import pytest
+import torch
+
+from paged_case import csr_kwargs, make_case
+from persistentkv import TOLERANCE, DecodeWrapper, reference_decode, relative_error
+from persistentkv.policy import (Choice, Policy, StepFeatures, bin_of, fallback_choice, fit_policy,
+                                 load_policy)
+
+FEATS = dict(num_kv_heads=8, head_dim=128, elem_size=2, sm_count=132, page_size=16, group=4)
+
+
+def test_features_and_bins():
+    f = StepFeatures.of([1000, 3000], **FEATS)
+    assert (f.rows, f.total_tokens, f.max_len, f.mean_len) == (2, 4000, 3000, 2000.0)
+    assert f.spread == 1.5 and f.kv_bytes == 4000 * 8 * 128 * 2 * 2
+    assert f.bin() == "r1-l1-s0" == bin_of(rows=2, max_len=3000, total_tokens=4000)
+    assert StepFeatures.of([100, 100, 100, 9000], **FEATS).bin() == "r1-l2-s1"   # skewed
+    assert StepFeatures.of([5] * 200, **FEATS).bin() == "r4-l0-s0"
+
+
+def _step(key, bin_, choice, us, status="ok"):
+    backend, _, pages = choice.partition("@")
+    return {"step_key": key, "bin": bin_, "choice": choice, "backend": backend,
+            "split_pages": int(pages) if pages else None, "status": status, "graph_us": us,
+            "eager_us": us * 10}
+
+
+def test_fit_picks_the_lowest_total_per_bin_and_the_best_persistentkv():
+    steps = [_step("a", "b0", "fi-xqa", 5), _step("a", "b0", "pkv-split", 7),
+             _step("a", "b0", "pkv-split@16", 6), _step("b", "b0", "fi-xqa", 9),
+             _step("b", "b0", "pkv-split", 6), _step("b", "b0", "pkv-split@16", 6),
+             _step("c", "b1", "fi-xqa", 1, status="failed"), _step("c", "b1", "pkv-grouped", 3)]
+    policy = fit_policy(steps, gpu="X")
+    assert policy.table["b0"] == Choice("pkv-split", 16)            # 12 against 13 and 14
+    assert policy.pkv_table["b0"] == Choice("pkv-split", 16)
+    assert policy.table["b1"] == Choice("pkv-grouped")              # a failed candidate never wins
+    eager = fit_policy(steps, gpu="X", objective="eager_us")
+    assert eager.table["b0"] == Choice("pkv-split", 16)
+    with pytest.raises(ValueError, match="objective"):
+        fit_policy(steps, gpu="X", objective="p50")
+
+
+def test_json_round_trip_and_bad_files(tmp_path):
+    policy = Policy(gpu="X", table={"r0-l0-s0": Choice("fi-xqa")},
+                    pkv_table={"r0-l0-s0": Choice("pkv-split", 8)}, fit={"seeds": [1]})
+    path = tmp_path / "p.json"
+    policy.save(path)
+    again = load_policy("X", path)
+    assert again.table == policy.table and again.pkv_table == policy.pkv_table
+    path.write_text('{"gpu": "X"}')
+    with pytest.raises(ValueError, match="not a policy file"):
+        load_policy("X", path)
+
+
+def test_unknown_gpu_gets_the_fallback_rule():
+    policy = load_policy("Some GPU 9000")
+    assert policy.table == {}
+    f = StepFeatures.of([100, 100, 100, 9000], **FEATS)
+    assert policy.decide(f) == fallback_choice(f) == Choice("pkv-workqueue")
+    assert fallback_choice(StepFeatures.of([4096] * 256, **FEATS)) == Choice("pkv-grouped")
+    assert fallback_choice(StepFeatures.of([4096] * 4, **FEATS)) == Choice("pkv-split")
+
+
+def test_shipped_h200_policy_decides_quickly_and_deterministically():
+    policy = load_policy("NVIDIA H200")
+    assert policy.table and policy.gpu == "NVIDIA H200"
+    assert all(c.backend.startswith("pkv-") for c in policy.pkv_table.values())
+    lens = torch.randint(1, 60000, (128,), generator=torch.Generator().manual_seed(0)).numpy()
+    times, picks = [], set()
+    for _ in range(200):
+        t = time.perf_counter()
+        choice = policy.decide(StepFeatures.of(lens, **FEATS))
+        times.append(time.perf_counter() - t)
+        picks.add(choice)
+    times.sort()
+    assert len(picks) == 1 and times[100] < 20e-6
+
+
+@pytest.mark.parametrize("form", ["csr"])
+def test_plan_auto_runs_the_policy_choice(form):
+    case = make_case(seq_lens=[300, 20, 90], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    key = StepFeatures.of([300, 20, 90], num_kv_heads=2, head_dim=64, elem_size=2, sm_count=4,
+                          page_size=16, group=4).bin()
+    policy = Policy(gpu="cpu", table={key: Choice("fi-xqa")},
+                    pkv_table={key: Choice("pkv-workqueue", 2)})
+    wrapper = DecodeWrapper("NHD", policy=policy)
+    plan = wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                        page_size=16, backend="auto")
+    assert plan.schedule.backend == "workqueue" and plan.schedule.split_pages == 2
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+    assert relative_error(wrapper.run(case.q, case.kv_cache), ref) <= TOLERANCE[torch.float16]
