@@ -126,3 +126,11 @@ def test_gpu_deterministic_batch_invariance():
             w.plan(**csr_kwargs(_subtable(case.table, rows)), **heads, backend=backend,
                    deterministic=True)
             assert torch.equal(w.run(case.q[rows].contiguous(), case.kv_cache), full[rows])
+
+
+def test_deterministic_auto_stays_batch_invariant():
+    """backend='auto' could pick another schedule for another batch: deterministic plans 'split'."""
+    case = make_case(seq_lens=[1200, 5, 700, 64, 2100], **HEADS)
+    full = _run(case, case.table, case.q, "auto", deterministic=True)
+    part = _run(case, _subtable(case.table, [2, 0]), case.q[[2, 0]], "auto", deterministic=True)
+    assert torch.equal(part, full[[2, 0]])

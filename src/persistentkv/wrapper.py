@@ -17,11 +17,11 @@ import triton
 
 from .cache import CACHE_DTYPES, check_layout
 from .checks import check_positive_int, check_same_device, check_tensor
-from .page_inputs import block_rows, cache_views, csr_rows
 from .kernels.decode import paged_decode_kernel
 from .kernels.plan import plan_workqueue_kernel
-from .runtime import check_interpreter_numpy, interpreting, sm_count
 from .launch import Launcher
+from .page_inputs import block_rows, cache_views, csr_rows
+from .runtime import check_interpreter_numpy, interpreting, sm_count
 from .schedule import BACKENDS, Schedule, build_schedule
 from .tuning import KernelConfig, default_config
 
@@ -32,7 +32,8 @@ MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """Everything run() needs, fixed by plan(). Device tensors are views into one int32 buffer."""
+    """Everything run() needs, fixed by plan(). meta and tasks: views into one int32 upload
+    (host plans) or the static buffers of graph mode."""
 
     batch_size: int
     num_qo_heads: int
@@ -110,7 +111,7 @@ class DecodeWrapper:
         tile and launch shape (default: tuning.default_config). deterministic=True makes the output
         batch-invariant: splits of a fixed size in tokens (split_pages, default
         DETERMINISTIC_SPLIT_TOKENS), so a row's result is bitwise the same whatever else is in the
-        batch (the merge order is fixed in every mode).
+        batch (the merge order is fixed in every mode); with backend="auto" it plans "split".
         """
         check_interpreter_numpy()
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
@@ -171,6 +172,8 @@ class DecodeWrapper:
                     raise ValueError(f"page index {lo} in the page table is negative")
             max_page = hi   # an upper bound; run() checks it against the pool (exactly if needed)
 
+        if backend == "auto" and deterministic:
+            backend = "split"   # a per-step choice of schedule would break batch invariance
         if backend == "auto":
             choice = self._choose(lens, device=device, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, group=num_qo_heads // num_kv_heads)
