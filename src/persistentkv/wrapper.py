@@ -132,7 +132,7 @@ class DecodeWrapper:
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
         if deterministic and split_pages is None:
-            split_pages = max(1, -(-DETERMINISTIC_SPLIT_TOKENS // page_size))
+            split_pages = _fixed_split_pages(page_size)
         if config is None:
             config = default_config(head_dim=head_dim)
         elif not isinstance(config, KernelConfig):
@@ -247,7 +247,7 @@ class DecodeWrapper:
                              "block_table and seq_lens, not a mix")
         device = indices.device
         if split_pages is None:
-            split_pages = max(1, -(-DETERMINISTIC_SPLIT_TOKENS // page_size))
+            split_pages = _fixed_split_pages(page_size)
         split_tokens = split_pages * page_size
         capacity = max_b + -(-self.max_num_pages * page_size // split_tokens)
         bufs = self._graph_buffers
@@ -408,6 +408,11 @@ class DecodeWrapper:
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
                plan.meta.data_ptr() % 16, plan.tasks.data_ptr() % 16)
         return strides, constexprs, key
+
+
+def _fixed_split_pages(page_size: int) -> int:
+    """Pages per split of deterministic and graph-mode plans: DETERMINISTIC_SPLIT_TOKENS, rounded up."""
+    return max(1, -(-DETERMINISTIC_SPLIT_TOKENS // page_size))
 
 
 def _signature(t: torch.Tensor | None):

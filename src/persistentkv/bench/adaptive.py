@@ -14,7 +14,7 @@ from ..policy import Policy, bin_of, fit_policy
 from .backends import Adaptive, _split_variant, make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
 from .results import FI_BEST, environment, print_table, run_ceiling, summarize, write_results
-from .runner import Measured, ModelShape, RunOptions, run_trace
+from .runner import Measured, ModelShape, RunOptions, functional_setup, run_trace
 from .suite import FUNCTIONAL_PARAMS, TRACE_SUITE, TraceSpec
 from .traces import make_trace
 
@@ -71,8 +71,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         if functional:
             print("No GPU: a functional calibration through Triton's interpreter; the fitted "
                   "policy means nothing.")
-            shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-            opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1)
+            shape, opts = functional_setup(shape, opts)
         built, skipped = make_backends(list(candidates), layout=shape.layout, device=device)
         for name, why in skipped.items():
             print(f"skipping {name}: {why}")
@@ -121,8 +120,7 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     functional = device.type != "cuda"
     if functional:
         print("No GPU: a functional evaluation through Triton's interpreter; its timings mean nothing.")
-        shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-        opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1)
+        shape, opts = functional_setup(shape, opts)
     built, skipped = make_backends(list(backends), layout=shape.layout, device=device)
     for name, why in skipped.items():
         print(f"skipping {name}: {why}")

@@ -61,6 +61,13 @@ class Measured:
     steps: list[dict] = field(default_factory=list)   # one dict per (step, backend)
 
 
+def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, RunOptions]:
+    """The tiny shape and options of a run through the CPU interpreter (timings mean nothing)."""
+    return (ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=shape.dtype,
+                       layout=shape.layout),
+            RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1, seed=opts.seed))
+
+
 def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions) -> int:
     per_layer = num_pages * shape.page_size * shape.bytes_per_token()
     return max(1, min(opts.layers, int(opts.memory_budget_gb * 1e9 // per_layer)))

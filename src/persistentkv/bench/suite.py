@@ -10,7 +10,7 @@ import torch
 from .backends import make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
 from .results import environment, print_table, run_ceiling, summarize, write_results
-from .runner import Measured, ModelShape, RunOptions, run_static, run_trace
+from .runner import Measured, ModelShape, RunOptions, functional_setup, run_static, run_trace
 from .traces import Trace, make_trace, read_trace
 
 
@@ -55,9 +55,7 @@ def run_bench(*, device: torch.device, grid: bool, traces: list[str] | None, tra
     functional = device.type != "cuda"
     if functional:
         print("No GPU: a functional run through Triton's interpreter; its timings mean nothing.")
-        shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
-                           dtype=shape.dtype, layout=shape.layout)
-        opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1, seed=opts.seed)
+        shape, opts = functional_setup(shape, opts)
     built, skipped = make_backends(backends, layout=shape.layout, device=device)
     for name, why in skipped.items():
         print(f"skipping {name}: {why}")
