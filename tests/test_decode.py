@@ -57,6 +57,21 @@ def test_block_table_pair_cache_and_lse(backend):
     check(case, wrapper, out, lse)
 
 
+@pytest.mark.parametrize("backend", ["split", "workqueue"])
+@pytest.mark.parametrize("hq, hkv, dim", [(8, 2, 128), (3, 3, 64), (16, 2, 64)],
+                         ids=["g4-d128", "g1-d64", "g8-d64"])
+def test_merge_of_more_splits_than_one_chunk(backend, hq, hkv, dim):
+    """Rows of up to 63 splits: the merge reads its partials in several chunks, the last partial."""
+    case = make_case(seq_lens=[1000, 5, 300], num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                     page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim,
+                 page_size=16, backend=backend, split_pages=1)
+    out = torch.full_like(case.q, float("nan"))
+    out, lse = wrapper.run(case.q, case.kv_cache, out=out, return_lse=True)
+    check(case, wrapper, out, lse)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_head_dim_256_group_16(backend):
     case = make_case(seq_lens=[70, 20], num_qo_heads=16, num_kv_heads=1, head_dim=256, page_size=16)

@@ -14,6 +14,10 @@ from triton import knobs
 from .runtime import interpreting
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (   # what Triton itself uses
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
 class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
@@ -21,9 +25,10 @@ class Launcher:
         self._names = list(kernel.arg_names)
 
     def __call__(self, grid: tuple[int, ...], key: tuple, args: tuple, constexprs: dict, *,
-                 num_warps: int, num_stages: int) -> None:
-        """Launch on the current stream. args: the runtime arguments in signature order;
-        constexprs: the compile-time ones, which follow them in the signature."""
+                 num_warps: int, num_stages: int, device_index: int | None = None) -> None:
+        """Launch on the current stream of device `device_index` (the current device if None).
+        args: the runtime arguments in signature order; constexprs: the compile-time ones, which
+        follow them in the signature."""
         hooked = knobs.runtime.launch_enter_hook is not None   # profilers want Triton's own path
         compiled = None if interpreting() or hooked else self._compiled.get(key)
         if compiled is None:
@@ -37,6 +42,8 @@ class Launcher:
                 self._compiled[key] = compiled
             return
         g = grid + (1,) * (3 - len(grid))
-        compiled.run(g[0], g[1], g[2], torch.cuda.current_stream().cuda_stream, compiled.function,
+        if device_index is None:
+            device_index = torch.cuda.current_device()
+        compiled.run(g[0], g[1], g[2], _raw_stream(device_index), compiled.function,
                      compiled.packed_metadata, None, None, knobs.runtime.launch_exit_hook, *args,
                      *constexprs.values())

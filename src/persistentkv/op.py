@@ -7,9 +7,8 @@ kernel leaves at zero).
 from __future__ import annotations
 
 import torch
-import triton
 
-from .kernels.decode import paged_decode_kernel
+from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .runtime import interpreting
 
 
@@ -34,9 +33,10 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
         q, k, v, indices, meta, tasks, meta if num_tasks is None else num_tasks, out, out, part_o,
         part_lse, counters, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
         batch, tasks.shape[1], tasks.shape[1], split_tokens, sm_scale * 1.4426950408889634,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
-        BLOCK_N=block_n, PERSISTENT=persistent, TASKS_ON_DEVICE=num_tasks is not None, RETURN_LSE=False, UPCAST=interpreting(),
+        **decode_constexprs(num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                            page_size=page_size, block_n=block_n, persistent=persistent,
+                            tasks_on_device=num_tasks is not None, return_lse=False,
+                            upcast=interpreting()),
         num_warps=num_warps, num_stages=num_stages)
     return out
 

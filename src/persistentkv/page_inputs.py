@@ -9,8 +9,23 @@ import torch
 
 from .checks import check_tensor
 
-def host_int64(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy().astype(np.int64)
+
+def host_values(*tensors: torch.Tensor, bounds_of: torch.Tensor) -> tuple[list[np.ndarray], int, int]:
+    """The int32 `tensors` as int64 numpy arrays, and (min, max) of `bounds_of` ((0, -1) if it is
+    empty), with at most one device-to-host copy (each copy is a synchronization)."""
+    on_device = [t for t in tensors if t.device.type != "cpu"]
+    parts = on_device + ([torch.stack(torch.aminmax(bounds_of))] if bounds_of.numel() else [])
+    host = torch.cat([t.detach().reshape(-1) for t in parts]).cpu().numpy().astype(np.int64) \
+        if parts else np.zeros(0, dtype=np.int64)
+    out, at = [], 0
+    for t in tensors:
+        if t.device.type == "cpu":
+            out.append(t.detach().numpy().astype(np.int64))
+        else:
+            out.append(host[at: at + t.numel()])
+            at += t.numel()
+    lo, hi = (int(host[at]), int(host[at + 1])) if bounds_of.numel() else (0, -1)
+    return out, lo, hi
 
 
 def check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None:
@@ -23,7 +38,10 @@ def check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None
 
 
 def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
-    """(seq_lens, page_starts, used page indices) from FlashInfer's CSR page table, checked."""
+    """(seq_lens, page_starts, (lo, hi), exact_used) from FlashInfer's CSR page table, checked.
+
+    lo, hi: bounds of all of kv_indices (a superset of the used entries, read with the lengths in
+    one copy); exact_used() gives the used entries, for when the bounds are not conclusive."""
     check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
     check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
     check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
@@ -32,7 +50,7 @@ def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
         raise ValueError(f"kv_indptr must have batch_size + 1 = {batch + 1} entries (kv_last_page_len "
                          f"has {batch}), got {kv_indptr.shape[0]}")
     check_metadata_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
-    indptr, last = host_int64(kv_indptr), host_int64(kv_last_page_len)
+    (indptr, last), lo, hi = host_values(kv_indptr, kv_last_page_len, bounds_of=kv_indices)
     if indptr[0] != 0:
         raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
     pages = np.diff(indptr)
@@ -48,12 +66,14 @@ def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
         r = int(bad[0])
         raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
     seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-    used = kv_indices[: int(indptr[-1])]
-    return seq_lens, indptr[:-1], used, lambda: used
+    return seq_lens, indptr[:-1], (lo, hi), lambda: kv_indices[: int(indptr[-1])]
 
 
 def block_rows(block_table, seq_lens, page_size: int):
-    """(seq_lens, page_starts, used page indices) from vLLM's block_table + seq_lens, checked."""
+    """(seq_lens, page_starts, (lo, hi), exact_used) from vLLM's block_table + seq_lens, checked.
+
+    lo, hi: bounds of the whole block_table (read with seq_lens in one copy); exact_used() gives
+    the entries the rows use, for when padding makes the bounds inconclusive."""
     check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
     if block_table.shape[0] != seq_lens.shape[0]:
@@ -63,7 +83,7 @@ def block_rows(block_table, seq_lens, page_size: int):
     if block_table.shape[0] and block_table.stride(1) != 1:
         raise ValueError(f"block_table must be contiguous along its last dim, got strides "
                          f"{block_table.stride()}")
-    lens = host_int64(seq_lens)
+    (lens,), lo, hi = host_values(seq_lens, bounds_of=block_table)
     width = block_table.shape[1]
     over = np.flatnonzero(-(-lens // page_size) > width)
     if len(over):
@@ -72,15 +92,13 @@ def block_rows(block_table, seq_lens, page_size: int):
                          f"{page_size} tokens, but block_table has only {width} per row")
     pages = -(-lens // page_size)
     starts = np.arange(len(lens), dtype=np.int64) * block_table.stride(0)
-    # The used entries are a ragged prefix of each row: read the dense columns that hold them (one
-    # op), and the ragged part exactly only when the padding there gets in the way (see plan()).
-    dense = block_table[:, : int(pages.max()) if len(pages) else 0]
 
-    def exact() -> torch.Tensor:
+    def exact() -> torch.Tensor:   # the used entries: a ragged prefix of each row
+        dense = block_table[:, : int(pages.max()) if len(pages) else 0]
         cols = torch.arange(dense.shape[1], device=dense.device)[None, :]
         return dense[cols < torch.from_numpy(pages).to(dense.device)[:, None]]
 
-    return lens, starts, dense, exact
+    return lens, starts, (lo, hi), exact
 
 
 def cache_views(kv_cache, layout: str):

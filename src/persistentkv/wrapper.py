@@ -17,7 +17,7 @@ import triton
 
 from .cache import CACHE_DTYPES, check_layout
 from .checks import check_positive_int, check_same_device, check_tensor
-from .kernels.decode import paged_decode_kernel
+from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .kernels.plan import plan_workqueue_kernel
 from .launch import Launcher
 from .page_inputs import block_rows, cache_views, csr_rows
@@ -149,10 +149,10 @@ class DecodeWrapper:
                                         page_size=page_size, backend=backend,
                                         split_pages=split_pages, sm_scale=sm_scale, config=config)
         if all(t is not None for t in csr) and all(t is None for t in block):
-            lens, starts, used, exact_used = csr_rows(*csr, page_size)
+            lens, starts, (lo, hi), exact_used = csr_rows(*csr, page_size)
             indices, device = kv_indices, kv_indices.device
         elif all(t is not None for t in block) and all(t is None for t in csr):
-            lens, starts, used, exact_used = block_rows(*block, page_size)
+            lens, starts, (lo, hi), exact_used = block_rows(*block, page_size)
             indices, device = block_table, block_table.device
         else:
             raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
@@ -163,14 +163,14 @@ class DecodeWrapper:
         if len(zero):
             raise ValueError(f"row {int(zero[0])} has length {int(lens[zero[0]])}: every row needs at "
                              f"least one token")
-        max_page = -1
-        if used.numel():
-            lo, hi = (int(x) for x in torch.aminmax(used))
-            if lo < 0:   # block-table padding may be negative: look at the used entries alone
-                lo, hi = (int(x) for x in torch.aminmax(exact_used()))
-                if lo < 0:
-                    raise ValueError(f"page index {lo} in the page table is negative")
-            max_page = hi   # an upper bound; run() checks it against the pool (exactly if needed)
+        # lo, hi bound the whole table; entries past the used ones (padding, stale pages) may be
+        # out of range, so an inconclusive bound is settled on the used entries alone.
+        max_page = hi   # an upper bound; run() checks it against the pool (exactly if needed)
+        if lo < 0:
+            used = exact_used()
+            lo, max_page = (int(x) for x in torch.aminmax(used)) if used.numel() else (0, -1)
+            if lo < 0:
+                raise ValueError(f"page index {lo} in the page table is negative")
 
         if backend == "auto" and deterministic:
             backend = "split"   # a per-step choice of schedule would break batch invariance
@@ -195,7 +195,7 @@ class DecodeWrapper:
             head_dim=head_dim, page_size=page_size,
             sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
             schedule=schedule, indices=indices, meta=meta, tasks=tasks, max_page_index=max_page,
-            device=device, config=config, exact_max_page=lambda: int(exact_used().max()))
+            device=device, config=config, exact_max_page=lambda: _max_or(exact_used(), -1))
         self._prepared = {}
         return self._plan
 
@@ -317,17 +317,10 @@ class DecodeWrapper:
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else out
         if plan.batch_size:
             k, v = (kv_cache, kv_cache) if type(kv_cache) is torch.Tensor else kv_cache
-            strides, constexprs, key = prepared
-            self._launch(plan.schedule.grid, key,
-                         (q, k, v, plan.indices, plan.meta, plan.tasks,
-                          plan.meta if plan.num_tasks_buf is None else plan.num_tasks_buf,
-                          out, lse, self._part_o,
-                          self._part_lse, self._counters, *strides, plan.batch_size,
-                          plan.schedule.tasks.shape[1], plan.tasks.shape[1],
-                          plan.schedule.split_tokens,
-                          plan.sm_scale * 1.4426950408889634),
-                         constexprs, num_warps=plan.config.num_warps,
-                         num_stages=plan.config.num_stages)
+            tables, tail, constexprs, key, device_index = prepared
+            self._launch(plan.schedule.grid, key, (q, k, v, *tables, out, lse, *tail), constexprs,
+                         num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
+                         device_index=device_index)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool) -> torch.Tensor:
@@ -356,7 +349,8 @@ class DecodeWrapper:
                             cfg.num_warps, cfg.num_stages)
 
     def _prepare(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool):
-        """Check run()'s arguments in full; return (kernel strides, constexprs, launch key)."""
+        """Check run()'s arguments in full; return the launch's fixed arguments (before and after
+        q, k, v, out, lse), its constexprs, its key and the device index."""
         check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
         want = (plan.batch_size, plan.num_qo_heads, plan.head_dim)
         if tuple(q.shape) != want:
@@ -393,26 +387,35 @@ class DecodeWrapper:
         stride_kv = kv_cache.stride(1) if isinstance(kv_cache, torch.Tensor) else 0
         strides = (q.stride(0), q.stride(1), out_strides[0], out_strides[1], stride_page, stride_head,
                    stride_tok, stride_kv)
+        # the launch's arguments around q, k, v, out and lse, fixed by the plan and the signature
+        tables = (plan.indices, plan.meta, plan.tasks,
+                  plan.meta if plan.num_tasks_buf is None else plan.num_tasks_buf)
+        tail = (self._part_o, self._part_lse, self._counters, *strides, plan.batch_size,
+                plan.schedule.tasks.shape[1], plan.tasks.shape[1], plan.schedule.split_tokens,
+                plan.sm_scale * 1.4426950408889634)
         group = plan.num_qo_heads // plan.num_kv_heads
-        constexprs = dict(
-            NUM_KV_HEADS=plan.num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=plan.head_dim, D_PAD=triton.next_power_of_2(plan.head_dim),
-            PAGE_SIZE=plan.page_size, BLOCK_N=plan.config.block_n,
-            PERSISTENT=plan.schedule.backend == "workqueue",
-            TASKS_ON_DEVICE=plan.num_tasks_buf is not None, RETURN_LSE=return_lse,
-            UPCAST=interpreting())
+        constexprs = decode_constexprs(
+            num_kv_heads=plan.num_kv_heads, group=group, head_dim=plan.head_dim,
+            page_size=plan.page_size, block_n=plan.config.block_n,
+            persistent=plan.schedule.backend == "workqueue",
+            tasks_on_device=plan.num_tasks_buf is not None, return_lse=return_lse,
+            upcast=interpreting())
         # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
         # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
         # allocator, always aligned); num_rows, num_tasks and split_tokens are not specialized.
         key = (tuple(constexprs.values()), q.dtype, strides, q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
                plan.meta.data_ptr() % 16, plan.tasks.data_ptr() % 16)
-        return strides, constexprs, key
+        return tables, tail, constexprs, key, q.device.index
 
 
 def _fixed_split_pages(page_size: int) -> int:
     """Pages per split of deterministic and graph-mode plans: DETERMINISTIC_SPLIT_TOKENS, rounded up."""
     return max(1, -(-DETERMINISTIC_SPLIT_TOKENS // page_size))
+
+
+def _max_or(t: torch.Tensor, default: int) -> int:
+    return int(t.max()) if t.numel() else default
 
 
 def _signature(t: torch.Tensor | None):

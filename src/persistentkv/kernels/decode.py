@@ -11,7 +11,7 @@ Grid: (rows, KV heads, max splits) for the split/grouped schedules (empty splits
 import triton
 import triton.language as tl
 
-from .merge import merge_partials
+from .merge import merge_chunk, merge_partials
 from .softmax import online_softmax_step
 
 
@@ -63,7 +63,8 @@ def _decode_task(row, kv_head, split,
                  num_rows, split_tokens, scale_log2,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                 RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     seq_len = tl.load(meta_ptr + row)
@@ -105,11 +106,14 @@ def _decode_task(row, kv_head, split,
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == num_splits - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
-                o, lse2 = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
-                                         num_splits, heads, offs_d, mask, g_mask,
-                                         NUM_QO_HEADS, HEAD_DIM, G_PAD, D_PAD)
-                _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d,
-                             mask, g_mask, NUM_QO_HEADS, RETURN_LSE)
+                o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
+                                         num_splits, kv_head * GROUP, NUM_QO_HEADS, GROUP, G_MERGE,
+                                         HEAD_DIM, D_PAD, MERGE_CHUNK)
+                offs_m = tl.arange(0, G_MERGE)
+                m_mask = offs_m < GROUP
+                _store_final(o_row, lse_row, row, kv_head * GROUP + offs_m, out_ptr, lse_ptr, stride_ob,
+                             stride_oh, offs_d, m_mask[:, None] & d_mask[None, :], m_mask,
+                             NUM_QO_HEADS, RETURN_LSE)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_tasks", "task_capacity", "split_tokens"])
@@ -120,7 +124,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, n
                         num_rows, num_tasks, task_capacity, split_tokens, scale_log2,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PERSISTENT: tl.constexpr,
+                        BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                        PERSISTENT: tl.constexpr,
                         TASKS_ON_DEVICE: tl.constexpr, RETURN_LSE: tl.constexpr,
                         UPCAST: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
@@ -143,13 +148,24 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, n
                          stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
                          scale_log2,
                          NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                         RETURN_LSE, UPCAST)
+                         G_MERGE, MERGE_CHUNK, RETURN_LSE, UPCAST)
     else:
         _decode_task(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                      q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
                      out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                      stride_qb, stride_qh, stride_ob, stride_oh,
                      stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
-                         scale_log2,
+                     scale_log2,
                      NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                     RETURN_LSE, UPCAST)
+                     G_MERGE, MERGE_CHUNK, RETURN_LSE, UPCAST)
+
+
+def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
+                      persistent: bool, tasks_on_device: bool, return_lse: bool,
+                      upcast: bool) -> dict:
+    """paged_decode_kernel's compile-time arguments, in signature order."""
+    g_merge, chunk = merge_chunk(group=group, head_dim=head_dim)
+    return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+                HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
+                BLOCK_N=block_n, G_MERGE=g_merge, MERGE_CHUNK=chunk, PERSISTENT=persistent,
+                TASKS_ON_DEVICE=tasks_on_device, RETURN_LSE=return_lse, UPCAST=upcast)

@@ -1,0 +1,77 @@
+"""Compile the decode kernel for a GPU target without a GPU (Triton's compiler and ptxas only):
+catches compile errors the interpreter does not, and reports registers, spills and shared memory.
+Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90]
+"""
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
+from persistentkv.tuning import default_config
+
+POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
+            "meta_ptr": "*i32", "tasks_ptr": "*i32", "num_tasks_ptr": "*i32", "out_ptr": "*fp16",
+            "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
+
+
+def compile_decode(*, arch: int, group: int, head_dim: int, persistent: bool, tasks_on_device=False):
+    cfg = default_config(head_dim=head_dim)
+    constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
+                                   block_n=cfg.block_n, persistent=persistent,
+                                   tasks_on_device=tasks_on_device, return_lse=False, upcast=False)
+    names = paged_decode_kernel.arg_names
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            signature[name] = POINTERS[name]
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    # what Triton's launcher would specialize on: 16-byte aligned pointers, strides of the
+    # reference pool (HND, Hkv 8, page 16) and of contiguous q and out, all multiples of 16
+    aligned = [n for n in names if n in POINTERS or n.startswith("stride_")]
+    src = ASTSource(paged_decode_kernel, signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers and spill bytes from cuobjdump's resource usage of a cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", text)
+    stack = re.search(r"STACK:(\d+)", text)
+    return f"{regs.group(1) if regs else '?'} registers, stack {stack.group(1) if stack else '?'} B"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--quick", action="store_true", help="the reference shape (group 4, d 128) only")
+    args = parser.parse_args()
+    shapes = ((4, 128),) if args.quick else ((4, 128), (1, 64), (8, 128), (16, 256))
+    for group, head_dim in shapes:
+        for persistent in (False, True):
+            k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, persistent=persistent)
+            print(f"group {group:2d} d {head_dim:3d} {'workqueue' if persistent else 'grid     '}: "
+                  f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
+                  f"{k.asm['ptx'].count('cp.async.cg') + k.asm['ptx'].count('cp.async.ca')} cp.async")
+
+
+if __name__ == "__main__":
+    main()
