@@ -20,8 +20,9 @@ POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr":
             "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
 
 
-def compile_decode(*, arch: int, group: int, head_dim: int, persistent: bool, tasks_on_device=False):
-    cfg = default_config(head_dim=head_dim)
+def compile_decode(*, arch: int, group: int, head_dim: int, persistent: bool, tasks_on_device=False,
+                   config=None):
+    cfg = config or default_config(head_dim=head_dim)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    block_n=cfg.block_n, persistent=persistent,
                                    tasks_on_device=tasks_on_device, return_lse=False, upcast=False)

@@ -3,7 +3,8 @@
 Device time per launch inside a CUDA graph of 32 launches (median of 20 replays) for
   - an empty Triton kernel (grid 1 and grid 2 x SMs): the launch floor in a graph;
   - the decode kernel on 1 token per row (every task one page, no merge): the kernel's fixed cost;
-  - the same with rows cut in 2 splits (1 token and 17 tokens, 16-token splits): plus the merge.
+  - the same with rows cut in 2 splits (1 token and 17 tokens, 16-token splits): plus the merge;
+  - a few static steps with the default split, for A/B runs of two versions in one session.
 Host time per call (median of 300) for a torch add_ on 1K floats, an empty Triton kernel through
 `kernel[grid]`, and DecodeWrapper.run() on the B1 and B8 steps.
 Run: PYTHONPATH=src python scripts/probe_fixed_cost.py > probe.json
@@ -14,7 +15,6 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 from persistentkv import DecodeWrapper
 
@@ -25,15 +25,16 @@ def empty_kernel(x_ptr, n):
 
 
 def graph_us(fn, launches=32, reps=20):
+    """fn(i): the i-th launch of the graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fn()
+        fn(0)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
+        for i in range(launches):
+            fn(i)
     g.replay()
     times = []
     for _ in range(reps):
@@ -62,7 +63,10 @@ def host_us(fn, reps=300):
 def decode_step(seq_lens, *, split_pages=None, backend="split", hq=32, hkv=8, d=128, page=16):
     pages = [-(-n // page) for n in seq_lens]
     num_pages = sum(pages) + 1
-    cache = torch.randn(num_pages, 2, hkv, page, d, dtype=torch.float16, device="cuda")
+    # enough pools that the 32 launches of a graph read several L2s (60 MB) of distinct KV
+    pools = max(1, min(32, -(-256 * 2**20 // (num_pages * 2 * hkv * page * d * 2))))
+    caches = [torch.randn(num_pages, 2, hkv, page, d, dtype=torch.float16, device="cuda")
+              for _ in range(pools)]
     indices = torch.randperm(num_pages, device="cuda")[:sum(pages)].int()
     indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     last = torch.tensor([(n - 1) % page + 1 for n in seq_lens], dtype=torch.int32, device="cuda")
@@ -71,30 +75,36 @@ def decode_step(seq_lens, *, split_pages=None, backend="split", hq=32, hkv=8, d=
     w.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, num_qo_heads=hq,
            num_kv_heads=hkv, head_dim=d, page_size=page, backend=backend, split_pages=split_pages)
     out = torch.empty_like(q)
-    return w, q, cache, out
+    return w, q, caches, out
 
 
 def main():
     x = torch.zeros(1024, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     r = {"gpu": torch.cuda.get_device_name(), "device_us": {}, "host_us": {}}
-    r["device_us"]["empty triton kernel, grid 1"] = graph_us(lambda: empty_kernel[(1,)](x, 1))
-    r["device_us"][f"empty triton kernel, grid {2 * sms}"] = graph_us(lambda: empty_kernel[(2 * sms,)](x, 1))
+    r["device_us"]["empty triton kernel, grid 1"] = graph_us(lambda i: empty_kernel[(1,)](x, 1))
+    r["device_us"][f"empty triton kernel, grid {2 * sms}"] = graph_us(
+        lambda i: empty_kernel[(2 * sms,)](x, 1))
     for name, lens, split in (("decode B1 1 token (8 tasks)", [1], None),
                               ("decode B8 1 token (64 tasks)", [1] * 8, None),
                               ("decode B1 17 tokens, 2 splits (merge)", [17], 1),
                               ("decode B8 17 tokens, 2 splits (merge)", [17] * 8, 1),
                               ("decode B1 256 tokens, 16 splits (merge)", [256], 1),
                               ("decode B1 1K, 4 splits", [1024], 16),
-                              ("decode B1 1K, 1 split", [1024], 64)):
-        w, q, cache, out = decode_step(lens, split_pages=split)
-        r["device_us"][name] = graph_us(lambda: w.run(q, cache, out=out))
+                              ("decode B1 1K, 1 split", [1024], 64),
+                              ("decode B1 1K, default split", [1024], None),
+                              ("decode B8 1K, default split", [1024] * 8, None),
+                              ("decode B1 8K, default split", [8192], None),
+                              ("decode B1 32K, default split", [32768], None),
+                              ("decode B32 8K, default split", [8192] * 32, None)):
+        w, q, caches, out = decode_step(lens, split_pages=split)
+        r["device_us"][name] = graph_us(lambda i: w.run(q, caches[i % len(caches)], out=out))
     r["host_us"]["torch add_ 1K"] = host_us(lambda: x.add_(1.0))
     r["host_us"]["empty triton kernel[grid]"] = host_us(lambda: empty_kernel[(1,)](x, 1))
     for name, lens in (("run() B1", [1024]), ("run() B8", [1024] * 8), ("run() B128", [1024] * 128)):
-        w, q, cache, out = decode_step(lens)
-        r["host_us"][name + " out=given"] = host_us(lambda: w.run(q, cache, out=out))
-        r["host_us"][name + " out=None"] = host_us(lambda: w.run(q, cache))
+        w, q, caches, out = decode_step(lens)
+        r["host_us"][name + " out=given"] = host_us(lambda: w.run(q, caches[0], out=out))
+        r["host_us"][name + " out=None"] = host_us(lambda: w.run(q, caches[0]))
     print(json.dumps(r, indent=1))
 
 

@@ -60,8 +60,8 @@ def test_block_table_pair_cache_and_lse(backend):
 @pytest.mark.parametrize("backend", ["split", "workqueue"])
 @pytest.mark.parametrize("hq, hkv, dim", [(8, 2, 128), (3, 3, 64), (16, 2, 64)],
                          ids=["g4-d128", "g1-d64", "g8-d64"])
-def test_merge_of_more_splits_than_one_chunk(backend, hq, hkv, dim):
-    """Rows of up to 63 splits: the merge reads its partials in several chunks, the last partial."""
+def test_merge_of_many_splits(backend, hq, hkv, dim):
+    """Rows of 1, 19 and 63 splits of one page: long merges, group sizes 1, 4 and 8, lse."""
     case = make_case(seq_lens=[1000, 5, 300], num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim,
                      page_size=16)
     wrapper = DecodeWrapper("NHD")

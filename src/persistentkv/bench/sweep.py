@@ -52,7 +52,12 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
         for backend, cfg in candidates:
             b = PersistentKV(backend, layout=shape.layout, config=cfg)
             b.plan(step)
-            err = relative_error(b.run(0), ref)
+            try:
+                err = relative_error(b.run(0), ref)
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not fit is a row
+                rows.append({"cell": cell, "backend": backend, **cfg.__dict__, "us": math.nan,
+                             "error": math.nan, "note": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
             us = graph_time_per_layer(b, step, layers, reps=reps) if err <= TOLERANCE[shape.dtype] else math.nan
             rows.append({"cell": cell, "backend": backend, **cfg.__dict__, "us": us, "error": err,
                          "split_tokens": b.wrapper.plan_info.schedule.split_tokens,

@@ -11,7 +11,7 @@ Grid: (rows, KV heads, max splits) for the split/grouped schedules (empty splits
 import triton
 import triton.language as tl
 
-from .merge import merge_chunk, merge_partials
+from .merge import merge_partials
 from .softmax import online_softmax_step
 
 
@@ -63,7 +63,7 @@ def _decode_task(row, kv_head, split,
                  num_rows, split_tokens, scale_log2,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                 BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
@@ -108,7 +108,7 @@ def _decode_task(row, kv_head, split,
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
                 o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
                                          num_splits, kv_head * GROUP, NUM_QO_HEADS, GROUP, G_MERGE,
-                                         HEAD_DIM, D_PAD, MERGE_CHUNK)
+                                         HEAD_DIM, D_PAD)
                 offs_m = tl.arange(0, G_MERGE)
                 m_mask = offs_m < GROUP
                 _store_final(o_row, lse_row, row, kv_head * GROUP + offs_m, out_ptr, lse_ptr, stride_ob,
@@ -124,7 +124,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, n
                         num_rows, num_tasks, task_capacity, split_tokens, scale_log2,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                        BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         PERSISTENT: tl.constexpr,
                         TASKS_ON_DEVICE: tl.constexpr, RETURN_LSE: tl.constexpr,
                         UPCAST: tl.constexpr):
@@ -148,7 +148,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, n
                          stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
                          scale_log2,
                          NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                         G_MERGE, MERGE_CHUNK, RETURN_LSE, UPCAST)
+                         G_MERGE, RETURN_LSE, UPCAST)
     else:
         _decode_task(tl.program_id(0), tl.program_id(1), tl.program_id(2),
                      q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
@@ -157,15 +157,14 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, n
                      stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
                      scale_log2,
                      NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                     G_MERGE, MERGE_CHUNK, RETURN_LSE, UPCAST)
+                     G_MERGE, RETURN_LSE, UPCAST)
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
                       persistent: bool, tasks_on_device: bool, return_lse: bool,
                       upcast: bool) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order."""
-    g_merge, chunk = merge_chunk(group=group, head_dim=head_dim)
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
                 HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
-                BLOCK_N=block_n, G_MERGE=g_merge, MERGE_CHUNK=chunk, PERSISTENT=persistent,
+                BLOCK_N=block_n, G_MERGE=triton.next_power_of_2(group), PERSISTENT=persistent,
                 TASKS_ON_DEVICE=tasks_on_device, RETURN_LSE=return_lse, UPCAST=upcast)
