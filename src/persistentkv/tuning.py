@@ -21,7 +21,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     waves: float = 2.0
-    min_split_tokens: int = 256
+    min_split_tokens: int = 128
     programs_per_sm: int = 4
 
     def __post_init__(self):

@@ -26,11 +26,17 @@ def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi,
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    # Each tile's page indices are loaded one iteration ahead: K/V addresses then never wait on an
+    # index load of their own iteration, and the compiler pipelines the K/V loads num_stages - 1
+    # tiles deep (with the index load inside the iteration it could only wait for all of them).
+    tok = tok_lo + offs_n
+    page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=tok < tok_hi, other=0)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
         tok = start + offs_n
         valid = tok < tok_hi
-        page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=valid, other=0)
         offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
+        nxt = tok + BLOCK_N
+        page = tl.load(indices_ptr + page_start + nxt // PAGE_SIZE, mask=nxt < tok_hi, other=0)
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
