@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "held-out trace seeds")
     evaluate.add_argument("--policy", help="policy JSON (default: the one shipped for this GPU)")
     evaluate.add_argument("--seeds", default=",".join(map(str, HELD_OUT_SEEDS)))
-    evaluate.add_argument("--backends", default="pkv-grouped,pkv-split,pkv-workqueue,"
+    evaluate.add_argument("--backends", default="pkv-grouped,pkv-split,pkv-workqueue,pkv-graph,"
                                                 "fi-cuda-core,fi-tensor-core,fi-xqa")
     evaluate.add_argument("--layers", type=int, default=32)
     evaluate.add_argument("--samples", type=int, default=8)

@@ -17,7 +17,7 @@ class KernelConfig:
     programs_per_sm: persistent programs per SM for the work-queue.
     """
 
-    block_n: int = 128
+    block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     waves: float = 2.0
