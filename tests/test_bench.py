@@ -60,6 +60,9 @@ def test_trace_replay_measures_every_backend_on_the_same_steps():
     rows = summarize(measured, ceiling_tbps=None)
     assert {r["backend"] for r in rows} == {"pkv-workqueue", "padded-sdpa"}
     assert all(r["tokens_per_s_eager"] > 0 for r in rows)
+    # the trace's pools are let go: no backend keeps the last step (and its cache) alive
+    assert all(getattr(b, "step", None) is None and getattr(b, "outs", None) is None
+               for b in backends)
 
 
 def test_summary_picks_flashinfer_best_per_step():

@@ -65,6 +65,13 @@ class Backend:
     def run(self, layer: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Drop what plan() kept of the last step (which holds every layer's pool): called
+        between traces, so that one trace's cache is freed before the next is allocated."""
+        for attr in ("step", "outs", "static", "index", "mask", "rows"):
+            if attr in self.__dict__:
+                setattr(self, attr, None)
+
 
 class PersistentKV(Backend):
     def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None, config=None):
@@ -122,6 +129,10 @@ class PersistentKVGraph(Backend):
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
 
+    def release(self) -> None:
+        super().release()
+        self.wrapper, self.sizes = None, ()
+
 
 class Adaptive(Backend):
     """The adaptive policy: per step, the backend the policy picks among `backends` (by name, as
@@ -153,6 +164,11 @@ class Adaptive(Backend):
 
     def run(self, layer: int) -> torch.Tensor:
         return self.current.run(layer)
+
+    def release(self) -> None:
+        self.current = None
+        for backend in self.by_name.values():
+            backend.release()
 
 
 def flashinfer_version() -> str | None:

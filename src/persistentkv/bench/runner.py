@@ -145,8 +145,17 @@ def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelS
                 progress()
         for req in step.finished:
             cache.free_sequence(req)
+    release(backends, device)
     del cache
     return measured
+
+
+def release(backends: list[Backend], device: torch.device) -> None:
+    """Let go of the last step's pools before the next trace or batch allocates its own."""
+    for backend in backends:
+        backend.release()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape: ModelShape,
@@ -163,7 +172,7 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
     measured = Measured(name=name, batch_slots=len(seq_lens), layers=layers)
     for timing in measure_all(backends, inputs, check=True, opts=opts, dead=set()):
         measured.steps.append({"step": 0, **timing.as_dict(), "max_seq_len": max(seq_lens)})
-    del cache, inputs
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del inputs
+    release(backends, device)
+    del cache
     return measured
