@@ -20,6 +20,15 @@ def test_whole_rows_when_rows_fill_the_sms():
     assert default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=CFG) == 512
 
 
+def test_a_long_row_in_a_large_batch_is_still_cut():
+    """B128 with one 32K row among 1K rows: whole rows would leave that row's task running alone."""
+    lens = np.array([32768] + [1024] * 127)
+    pages = default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=CFG)
+    balanced = lens.sum() / int(CFG.waves * 132 / 8)
+    assert pages * 16 < 32768 and pages * 16 >= balanced
+    assert pages * 16 >= 1024          # the short rows stay whole
+
+
 def test_small_batches_split_to_about_waves_per_sm():
     pages = default_split_pages(np.array([32768]), page_size=16, num_kv_heads=8, sm_count=132,
                                 config=CFG)

@@ -34,17 +34,22 @@ class Schedule:
     grid: tuple[int, ...]
 
 
+WHOLE_ROW_SLACK = 1.25  # a row up to this many times the balanced split is not cut
+
+
 def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: int,
                         sm_count: int, config: KernelConfig) -> int:
-    """Pages per split. Whole rows when rows x KV heads already fill the SMs (splitting would only
-    add partial writes and merges); else about config.waves x SMs tasks, each at least
-    config.min_split_tokens tokens."""
-    max_len = int(seq_lens.max()) if len(seq_lens) else 1
-    if len(seq_lens) * num_kv_heads >= sm_count:
+    """Pages per split: the step's tokens shared out as about config.waves x SMs tasks (each at
+    least config.min_split_tokens). When rows x KV heads already fill the SMs and no row is much
+    longer than that balanced split, whole rows (splitting would only add partial writes and
+    merges); a long row in a large batch is still cut, or its task would run long after the rest."""
+    if not len(seq_lens):
+        return 1
+    max_len = int(seq_lens.max())
+    target_tasks = max(1, int(config.waves * sm_count / num_kv_heads))
+    split_tokens = max(config.min_split_tokens, -(-int(seq_lens.sum()) // target_tasks))
+    if len(seq_lens) * num_kv_heads >= sm_count and max_len <= WHOLE_ROW_SLACK * split_tokens:
         split_tokens = max_len
-    else:
-        target_tasks = max(1, int(config.waves * sm_count / num_kv_heads))
-        split_tokens = max(config.min_split_tokens, -(-int(seq_lens.sum()) // target_tasks))
     return max(1, -(-split_tokens // page_size))
 
 
