@@ -11,6 +11,7 @@ Run: PYTHONPATH=src python scripts/probe_fixed_cost.py > probe.json
 """
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -81,7 +82,10 @@ def decode_step(seq_lens, *, split_pages=None, backend="split", hq=32, hkv=8, d=
 def main():
     x = torch.zeros(1024, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    r = {"gpu": torch.cuda.get_device_name(), "device_us": {}, "host_us": {}}
+    from persistentkv.bench.results import environment
+
+    env = environment(torch.device("cuda"), command=["python", *sys.argv], functional=False)
+    r = {"environment": env, "device_us": {}, "host_us": {}}
     r["device_us"]["empty triton kernel, grid 1"] = graph_us(lambda i: empty_kernel[(1,)](x, 1))
     r["device_us"][f"empty triton kernel, grid {2 * sms}"] = graph_us(
         lambda i: empty_kernel[(2 * sms,)](x, 1))

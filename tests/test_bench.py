@@ -109,6 +109,11 @@ def test_functional_calibrate_then_evaluate(tmp_path):
                  "--candidates", "pkv-split,pkv-workqueue@4"]) == 0
     policy = json.loads(policy_path.read_text())
     assert policy["table"] and policy["fit"]["functional_only"]
+    # the measurements are kept beside the policy, and a refit from them gives the same table
+    refit_path = tmp_path / "refit.json"
+    assert main(["calibrate", "--from-results", str(tmp_path / "policy-measurements.json"),
+                 "--objective", "eager_us", "--out", str(refit_path)]) == 0
+    assert json.loads(refit_path.read_text())["table"] == policy["table"]
     assert main(["evaluate", "--policy", str(policy_path), "--out", str(tmp_path),
                  "--backends", "pkv-split"]) == 0
     data = json.loads((tmp_path / "evaluate.json").read_text())

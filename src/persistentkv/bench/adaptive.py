@@ -81,6 +81,12 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
             measured.append(run_trace(name, trace, built, shape=shape, opts=opts, device=device))
         info = {"traces": [s.name for s in TRACE_SUITE], "seeds": list(seeds),
                 "candidates": [b.name for b in built], "functional_only": functional}
+        # the measurements themselves, beside the policy: `--from-results` refits from them
+        env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
+        summary = [r for m in measured for r in summarize(m, ceiling_tbps=None)]
+        steps = [{"case": m.name, **s} for m in measured for s in m.steps]
+        write_results(out_path.parent, env=env, summary=summary, steps=steps,
+                      tag=f"{out_path.stem}-measurements")
     policy = fit_policy(calibration_steps(measured), gpu=gpu,
                         objective="eager_us" if functional else objective,
                         info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})

@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from ..tuning import KernelConfig
 from .backends import PersistentKV
 from .measure import graph_time_per_layer, kv_bytes_per_layer, reference_output
+from .results import environment
 from .runner import ModelShape, RunOptions, layers_that_fit, make_cache, step_inputs
 from ..reference import TOLERANCE, relative_error
 
@@ -79,6 +81,7 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
     for gm, k in ranked[:8]:
         print(f"geomean {gm:7.2f} us: {k}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"rows": rows, "ranked": [(gm, list(k)) for gm, k in ranked]},
-                                   indent=1) + "\n")
+    env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=False)
+    out_path.write_text(json.dumps({"environment": env, "rows": rows,
+                                    "ranked": [(gm, list(k)) for gm, k in ranked]}, indent=1) + "\n")
     return rows
