@@ -4,6 +4,7 @@ Values come from `persistentkv sweep` on the H200 (docs/perf-notes.md has the me
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -35,6 +36,7 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 
 
+@functools.lru_cache(maxsize=None)
 def default_config(*, head_dim: int) -> KernelConfig:
     """The default for a head dim (K and V tiles of block_n x head_dim stay within registers)."""
     if head_dim > 128:

@@ -18,7 +18,9 @@ from .runner import Measured, ModelShape, RunOptions, functional_setup, run_trac
 from .suite import FUNCTIONAL_PARAMS, TRACE_SUITE, TraceSpec
 from .traces import make_trace
 
-EVAL_TRACES = TRACE_SUITE + (TraceSpec("uniform", 32, 64), TraceSpec("zipf", 128, 256))
+# Calibration and evaluation replay the same trace families, at different seeds: the benchmark's
+# suite (1-8 rows) and two large batches, so that the policy has seen steps of 9+ rows.
+POLICY_TRACES = TRACE_SUITE + (TraceSpec("uniform", 32, 64), TraceSpec("zipf", 128, 256))
 FUNCTIONAL = TraceSpec("bucketed", 2, 3)
 
 
@@ -76,10 +78,10 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         for name, why in skipped.items():
             print(f"skipping {name}: {why}")
         measured = []
-        for name, trace in _traces(TRACE_SUITE, seeds, functional):
+        for name, trace in _traces(POLICY_TRACES, seeds, functional):
             print(f"calibrating on {name}", flush=True)
             measured.append(run_trace(name, trace, built, shape=shape, opts=opts, device=device))
-        info = {"traces": [s.name for s in TRACE_SUITE], "seeds": list(seeds),
+        info = {"traces": [s.name for s in POLICY_TRACES], "seeds": list(seeds),
                 "candidates": [b.name for b in built], "functional_only": functional}
         # the measurements themselves, beside the policy: `--from-results` refits from them
         env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
@@ -140,7 +142,7 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     env.update(bandwidth_ceiling(device), bare_launch_us=bare_launch_us(device),
                policy={"gpu": policy.gpu, "fit": policy.fit}, seeds=list(seeds))
     measured = []
-    for name, trace in _traces(EVAL_TRACES, seeds, functional):
+    for name, trace in _traces(POLICY_TRACES, seeds, functional):
         print(f"evaluating on {name}", flush=True)
         measured.append(run_trace(name, trace, built, shape=shape, opts=opts, device=device))
     env["ceiling_tbps"] = run_ceiling(measured, env.get("read_tbps"))
