@@ -98,7 +98,10 @@ def test_graph_mode_argument_checks():
     w = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
     with pytest.raises(ValueError, match="work-queue"):
         w.plan(**static.kwargs("csr"), **HEADS, backend="split")
-    with pytest.raises(ValueError, match="max_batch_size=4 rows"):
+    with pytest.raises(ValueError, match="max_batch_size=4 rows"):     # consistent, but 2 rows
+        w.plan(kv_indptr=static.indptr[:3], kv_indices=static.indices,
+               kv_last_page_len=static.last[:2], **HEADS)
+    with pytest.raises(ValueError, match="kv_indptr must have batch_size \\+ 1 = 5 entries"):
         w.plan(kv_indptr=static.indptr[:3], kv_indices=static.indices, kv_last_page_len=static.last,
                **HEADS)
 

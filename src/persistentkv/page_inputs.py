@@ -37,11 +37,8 @@ def check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None
                              f"the page indices")
 
 
-def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
-    """(seq_lens, page_starts, (lo, hi), exact_used) from FlashInfer's CSR page table, checked.
-
-    lo, hi: bounds of all of kv_indices (a superset of the used entries, read with the lengths in
-    one copy); exact_used() gives the used entries, for when the bounds are not conclusive."""
+def check_csr_shapes(kv_indptr, kv_indices, kv_last_page_len) -> int:
+    """Dtypes and shapes of a CSR page table; returns its batch size."""
     check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
     check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
     check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
@@ -49,6 +46,28 @@ def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
     if kv_indptr.shape[0] != batch + 1:
         raise ValueError(f"kv_indptr must have batch_size + 1 = {batch + 1} entries (kv_last_page_len "
                          f"has {batch}), got {kv_indptr.shape[0]}")
+    return batch
+
+
+def check_block_shapes(block_table, seq_lens) -> int:
+    """Dtypes, shapes and strides of a block table + seq_lens; returns its batch size."""
+    check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
+    if block_table.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has "
+                         f"{seq_lens.shape[0]} entries")
+    if block_table.shape[0] and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be contiguous along its last dim, got strides "
+                         f"{block_table.stride()}")
+    return block_table.shape[0]
+
+
+def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
+    """(seq_lens, page_starts, (lo, hi), exact_used) from FlashInfer's CSR page table, checked.
+
+    lo, hi: bounds of all of kv_indices (a superset of the used entries, read with the lengths in
+    one copy); exact_used() gives the used entries, for when the bounds are not conclusive."""
+    check_csr_shapes(kv_indptr, kv_indices, kv_last_page_len)
     check_metadata_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
     (indptr, last), lo, hi = host_values(kv_indptr, kv_last_page_len, bounds_of=kv_indices)
     if indptr[0] != 0:
@@ -74,15 +93,8 @@ def block_rows(block_table, seq_lens, page_size: int):
 
     lo, hi: bounds of the whole block_table (read with seq_lens in one copy); exact_used() gives
     the entries the rows use, for when padding makes the bounds inconclusive."""
-    check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
-    if block_table.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has "
-                         f"{seq_lens.shape[0]} entries")
+    check_block_shapes(block_table, seq_lens)
     check_metadata_device(block_table.device, seq_lens=seq_lens)
-    if block_table.shape[0] and block_table.stride(1) != 1:
-        raise ValueError(f"block_table must be contiguous along its last dim, got strides "
-                         f"{block_table.stride()}")
     (lens,), lo, hi = host_values(seq_lens, bounds_of=block_table)
     width = block_table.shape[1]
     over = np.flatnonzero(-(-lens // page_size) > width)

@@ -20,7 +20,7 @@ from .checks import check_positive_int, check_same_device, check_tensor
 from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .kernels.plan import plan_workqueue_kernel
 from .launch import Launcher
-from .page_inputs import block_rows, cache_views, csr_rows
+from .page_inputs import block_rows, cache_views, check_block_shapes, check_csr_shapes, csr_rows
 from .runtime import check_interpreter_numpy, interpreting, sm_count
 from .schedule import BACKENDS, Schedule, build_schedule
 from .tuning import KernelConfig, default_config
@@ -219,10 +219,7 @@ class DecodeWrapper:
         max_b = self.max_batch_size
         if all(t is not None for t in csr) and all(t is None for t in block):
             kv_indptr, kv_indices, kv_last_page_len = csr
-            check_tensor("kv_indptr", kv_indptr, dtype=torch.int32, dim=1)
-            check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
-            check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
-            if kv_indptr.shape[0] != max_b + 1 or kv_last_page_len.shape[0] != max_b:
+            if check_csr_shapes(*csr) != max_b:
                 raise ValueError(f"graph mode takes page tables of max_batch_size={max_b} rows: "
                                  f"kv_indptr [{max_b + 1}] and kv_last_page_len [{max_b}], got "
                                  f"{list(kv_indptr.shape)} and {list(kv_last_page_len.shape)}")
@@ -230,15 +227,10 @@ class DecodeWrapper:
             check_same_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
         elif all(t is not None for t in block) and all(t is None for t in csr):
             block_table, seq_lens = block
-            check_tensor("block_table", block_table, dtype=torch.int32, dim=2)
-            check_tensor("seq_lens", seq_lens, dtype=torch.int32, dim=1)
-            if block_table.shape[0] != max_b or seq_lens.shape[0] != max_b:
+            if check_block_shapes(*block) != max_b:
                 raise ValueError(f"graph mode takes page tables of max_batch_size={max_b} rows: "
                                  f"block_table [{max_b}, W] and seq_lens [{max_b}], got "
                                  f"{list(block_table.shape)} and {list(seq_lens.shape)}")
-            if block_table.stride(1) != 1:
-                raise ValueError(f"block_table must be contiguous along its last dim, got strides "
-                                 f"{block_table.stride()}")
             check_same_device(block_table.device, seq_lens=seq_lens)
             indices, lens_src, is_csr, row_stride = block_table, seq_lens, False, block_table.stride(0)
             kv_indptr = kv_last_page_len = seq_lens
