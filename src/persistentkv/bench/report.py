@@ -5,9 +5,13 @@ import json
 import math
 from pathlib import Path
 
+from .results import FI_BEST
+
 
 def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
-    """Throughput per backend per case, and TB/s against context length with the ceiling drawn in."""
+    """Throughput per backend per case, TB/s against context length with the ceiling drawn in,
+    and (when FlashInfer was measured) each backend's speedup over FlashInfer's best, per case,
+    in graph and in eager mode: the layout of the paper's results table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,4 +64,27 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
+
+        mine = [b for b in backends if b != FI_BEST]
+        if FI_BEST in backends and mine:
+            fig, axes = plt.subplots(2, 1, figsize=(max(9, len(cases) * 0.75), 9), sharey=True)
+            for ax, mode in zip(axes, ("graph", "eager")):
+                for i, b in enumerate(mine):
+                    vals = [next((r[f"speedup_{mode}_vs_fi_best"] for r in ok
+                                  if r["case"] == c and r["backend"] == b), math.nan) for c in cases]
+                    ax.bar([x + i * width for x in range(len(cases))], vals, width, label=b)
+                ax.axhline(1.0, color="k", lw=1)
+                ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases, rotation=30,
+                              ha="right")
+                ax.set_title(f"{mode} mode")
+            for ax in axes:
+                ax.set_ylabel("speedup over FlashInfer's best (x)")
+            handles, labels = axes[0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="lower center", ncol=min(len(mine), 8), fontsize=8)
+            fig.suptitle(f"Against FlashInfer's best entry per step ({env['device']})")
+            fig.tight_layout(rect=(0, 0.04, 1, 1))
+            p = out_dir / f"{Path(path).stem}-vs-flashinfer.png"
+            fig.savefig(p, dpi=110)
+            plt.close(fig)
+            written.append(p)
     return written
