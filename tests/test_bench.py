@@ -120,3 +120,22 @@ def test_functional_calibrate_then_evaluate(tmp_path):
     (row,) = data["environment"]["evaluation"]
     assert row["trace"] == "b2-bucketed/seed100" and sum(row["picks"].values()) == 2
     assert {s["backend"] for s in data["steps"]} == {"pkv-split", "adaptive"}
+
+
+def test_report_draws_the_speedup_over_flashinfer(tmp_path):
+    """A results file with FlashInfer's best in it gets the paper-style speedup plot too."""
+    rows, steps = [], []
+    for case in ("B1 L1K", "B8 zipf"):
+        for backend, us in (("pkv-split", 8.0), ("fi-best", 10.0)):
+            rows.append({"case": case, "backend": backend, "status": "ok",
+                         "tokens_per_s_graph": 1e6 / us, "tokens_per_s_eager": 1e5 / us,
+                         "speedup_graph_vs_fi_best": 10.0 / us, "speedup_eager_vs_fi_best": 1.0})
+            steps.append({"case": case, "backend": backend, "status": "ok", "graph_us": us,
+                          "tokens": 1024, "rows": 1, "kv_bytes": 4e6})
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({"environment": {"device": "test", "ceiling_tbps": 4.4},
+                                "summary": rows, "steps": steps}))
+    assert main(["report", str(path), "--out", str(tmp_path / "plots")]) == 0
+    written = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert written == ["grid-bandwidth.png", "grid-throughput.png", "grid-vs-flashinfer.png"]
+    assert all((tmp_path / "plots" / name).stat().st_size > 10_000 for name in written)
