@@ -1,5 +1,7 @@
 """Compile the decode kernel for a GPU target without a GPU (Triton's compiler and ptxas only):
-catches compile errors the interpreter does not, and reports registers, spills and shared memory.
+catches compile errors the interpreter does not, and reports registers, spills, shared memory,
+cp.async use and the deepest `cp.async.wait_group` (0 means no tile is kept in flight across
+iterations: the K/V loads are not really pipelined).
 Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90]
 """
 import argparse
@@ -69,9 +71,12 @@ def main():
     for group, head_dim in shapes:
         for persistent in (False, True):
             k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, persistent=persistent)
+            ptx = k.asm["ptx"]
+            waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
             print(f"group {group:2d} d {head_dim:3d} {'workqueue' if persistent else 'grid     '}: "
                   f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
-                  f"{k.asm['ptx'].count('cp.async.cg') + k.asm['ptx'].count('cp.async.ca')} cp.async")
+                  f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
+                  f"deepest wait_group {max(waits, default=-1)}")
 
 
 if __name__ == "__main__":
