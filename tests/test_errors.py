@@ -65,6 +65,27 @@ def test_page_index_outside_pool(case):
         wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
 
 
+def test_check_indices_false_trusts_the_page_table(case):
+    """check_indices=False: no read of the page indices in plan() (nor the range check in run());
+    with the lengths on the host, plan() never waits for the device."""
+    indptr, indices, last = case.table.csr(case.q.device)
+    bad = indices.clone()
+    bad[1] = -3
+    wrapper = DecodeWrapper("NHD")
+    plan = wrapper.plan(kv_indptr=indptr.cpu(), kv_indices=bad, kv_last_page_len=last.cpu(),
+                        check_indices=False, **HEADS)
+    assert plan.max_page_index == -1 and plan.exact_max_page is None
+    wrapper.plan(kv_indptr=indptr.cpu(), kv_indices=indices, kv_last_page_len=last.cpu(),
+                 check_indices=False, **HEADS)
+    out = wrapper.run(case.q, case.kv_cache)
+    checked = DecodeWrapper("NHD")
+    checked.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+    assert torch.equal(out, checked.run(case.q, case.kv_cache))
+    with pytest.raises(TypeError, match="check_indices must be a bool, got 1"):
+        wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                     check_indices=1, **HEADS)
+
+
 def test_length_larger_than_pages_hold(case):
     block_table, seq_lens = case.table.block_table(case.q.device)
     seq_lens = seq_lens.clone()

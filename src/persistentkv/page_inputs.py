@@ -10,9 +10,13 @@ import torch
 from .checks import check_tensor
 
 
-def host_values(*tensors: torch.Tensor, bounds_of: torch.Tensor) -> tuple[list[np.ndarray], int, int]:
+def host_values(*tensors: torch.Tensor,
+                bounds_of: torch.Tensor | None) -> tuple[list[np.ndarray], int, int]:
     """The int32 `tensors` as int64 numpy arrays, and (min, max) of `bounds_of` ((0, -1) if it is
-    empty), with at most one device-to-host copy (each copy is a synchronization)."""
+    empty or None), with at most one device-to-host copy (each copy is a synchronization) and none
+    when the tensors are on the host and bounds_of is None."""
+    if bounds_of is None:
+        bounds_of = torch.zeros(0, dtype=torch.int32)
     on_device = [t for t in tensors if t.device.type != "cpu"]
     parts = on_device + ([torch.stack(torch.aminmax(bounds_of))] if bounds_of.numel() else [])
     host = torch.cat([t.detach().reshape(-1) for t in parts]).cpu().numpy().astype(np.int64) \
@@ -62,14 +66,16 @@ def check_block_shapes(block_table, seq_lens) -> int:
     return block_table.shape[0]
 
 
-def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
+def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int, *, bounds: bool = True):
     """(seq_lens, page_starts, (lo, hi), exact_used) from FlashInfer's CSR page table, checked.
 
     lo, hi: bounds of all of kv_indices (a superset of the used entries, read with the lengths in
-    one copy); exact_used() gives the used entries, for when the bounds are not conclusive."""
+    one copy; (0, -1) when bounds=False); exact_used() gives the used entries, for when the bounds
+    are not conclusive."""
     check_csr_shapes(kv_indptr, kv_indices, kv_last_page_len)
     check_metadata_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
-    (indptr, last), lo, hi = host_values(kv_indptr, kv_last_page_len, bounds_of=kv_indices)
+    (indptr, last), lo, hi = host_values(kv_indptr, kv_last_page_len,
+                                         bounds_of=kv_indices if bounds else None)
     if indptr[0] != 0:
         raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
     pages = np.diff(indptr)
@@ -88,14 +94,15 @@ def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int):
     return seq_lens, indptr[:-1], (lo, hi), lambda: kv_indices[: int(indptr[-1])]
 
 
-def block_rows(block_table, seq_lens, page_size: int):
+def block_rows(block_table, seq_lens, page_size: int, *, bounds: bool = True):
     """(seq_lens, page_starts, (lo, hi), exact_used) from vLLM's block_table + seq_lens, checked.
 
-    lo, hi: bounds of the whole block_table (read with seq_lens in one copy); exact_used() gives
-    the entries the rows use, for when padding makes the bounds inconclusive."""
+    lo, hi: bounds of the whole block_table (read with seq_lens in one copy; (0, -1) when
+    bounds=False); exact_used() gives the entries the rows use, for when padding makes the bounds
+    inconclusive."""
     check_block_shapes(block_table, seq_lens)
     check_metadata_device(block_table.device, seq_lens=seq_lens)
-    (lens,), lo, hi = host_values(seq_lens, bounds_of=block_table)
+    (lens,), lo, hi = host_values(seq_lens, bounds_of=block_table if bounds else None)
     width = block_table.shape[1]
     over = np.flatnonzero(-(-lens // page_size) > width)
     if len(over):

@@ -97,14 +97,16 @@ class DecodeWrapper:
              seq_lens: torch.Tensor | None = None, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, backend: str = "workqueue",
              split_pages: int | None = None, sm_scale: float | None = None,
-             config: KernelConfig | None = None, deterministic: bool = False) -> DecodePlan:
+             config: KernelConfig | None = None, deterministic: bool = False,
+             check_indices: bool = True) -> DecodePlan:
         """Plan one decode step from a CSR page table or from block_table + seq_lens.
 
         CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
         (in [1, page_size]). Block table (vLLM): block_table int32 [B, max_pages], seq_lens int32 [B].
         kv_indices and block_table live on the kernel's device; kv_indptr, kv_last_page_len and
         seq_lens may be there too or on the host (then plan() copies nothing back from the device
-        but its one check of the page indices' range).
+        but its one check of the page indices' range; with check_indices=False not even that: the
+        page table is trusted, as in graph mode, and plan() never waits for the device).
         backend: "grouped", "split", "workqueue" or "auto" (the adaptive policy's choice among
         them, policy.py); split_pages: pages per split (default: about
         config.waves tasks per SM); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's
@@ -129,8 +131,9 @@ class DecodeWrapper:
             raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
         if split_pages is not None:
             check_positive_int("split_pages", split_pages)
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+        for name, flag in (("deterministic", deterministic), ("check_indices", check_indices)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         if deterministic and split_pages is None:
             split_pages = _fixed_split_pages(page_size)
         if config is None:
@@ -149,10 +152,10 @@ class DecodeWrapper:
                                         page_size=page_size, backend=backend,
                                         split_pages=split_pages, sm_scale=sm_scale, config=config)
         if all(t is not None for t in csr) and all(t is None for t in block):
-            lens, starts, (lo, hi), exact_used = csr_rows(*csr, page_size)
+            lens, starts, (lo, hi), exact_used = csr_rows(*csr, page_size, bounds=check_indices)
             indices, device = kv_indices, kv_indices.device
         elif all(t is not None for t in block) and all(t is None for t in csr):
-            lens, starts, (lo, hi), exact_used = block_rows(*block, page_size)
+            lens, starts, (lo, hi), exact_used = block_rows(*block, page_size, bounds=check_indices)
             indices, device = block_table, block_table.device
         else:
             raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
@@ -166,7 +169,7 @@ class DecodeWrapper:
         # lo, hi bound the whole table; entries past the used ones (padding, stale pages) may be
         # out of range, so an inconclusive bound is settled on the used entries alone.
         max_page = hi   # an upper bound; run() checks it against the pool (exactly if needed)
-        if lo < 0:
+        if check_indices and lo < 0:
             used = exact_used()
             lo, max_page = (int(x) for x in torch.aminmax(used)) if used.numel() else (0, -1)
             if lo < 0:
@@ -195,7 +198,8 @@ class DecodeWrapper:
             head_dim=head_dim, page_size=page_size,
             sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
             schedule=schedule, indices=indices, meta=meta, tasks=tasks, max_page_index=max_page,
-            device=device, config=config, exact_max_page=lambda: _max_or(exact_used(), -1))
+            device=device, config=config,
+            exact_max_page=(lambda: _max_or(exact_used(), -1)) if check_indices else None)
         self._prepared = {}
         return self._plan
 
