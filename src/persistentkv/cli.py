@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = sub.add_parser("sweep", help="time kernel configurations on static batches (GPU)")
     sweep.add_argument("--cells", help="comma-separated subset of the sweep's static batches")
-    sweep.add_argument("--spec", default='{"block_n": [64, 128], "num_warps": [4, 8], '
-                                         '"num_stages": [2, 3], "waves": [1, 2, 4]}',
+    sweep.add_argument("--spec", default='{"block_n": [32, 64, 128], "num_warps": [4], '
+                                         '"num_stages": [2, 3, 4], "waves": [1, 2], '
+                                         '"min_split_tokens": [64, 128]}',
                        help="JSON: lists of values per KernelConfig field, and 'backend'")
     sweep.add_argument("--layout", choices=["HND", "NHD"], default="HND")
     sweep.add_argument("--out", default="results/sweep.json")
