@@ -1,8 +1,10 @@
 """The host-side work assignment: split sizes, task lists, partial slots (pure numpy)."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from persistentkv.schedule import build_schedule, default_split_pages
+from persistentkv.schedule import WHOLE_ROW_SLACK, build_schedule, default_split_pages
 from persistentkv.tuning import KernelConfig
 
 CFG = KernelConfig()
@@ -63,3 +65,21 @@ def test_grouped_is_one_split_per_row():
 def test_too_many_splits_for_the_grid():
     with pytest.raises(ValueError, match="65535"):
         schedule([1 << 20], backend="split", split_pages=1, page=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lens=st.lists(st.integers(1, 200_000), min_size=1, max_size=300),
+       kv_heads=st.sampled_from([1, 2, 8, 32]), page=st.sampled_from([1, 16, 64]),
+       sms=st.sampled_from([4, 132]))
+def test_split_rule_properties(lens, kv_heads, page, sms):
+    """The default split is whole pages, never needlessly short, and no task is much longer than
+    the balanced share of the step (tokens / (waves x SMs / KV heads)): no row runs on alone."""
+    lens = np.asarray(lens, dtype=np.int64)
+    pages = default_split_pages(lens, page_size=page, num_kv_heads=kv_heads, sm_count=sms, config=CFG)
+    split = pages * page
+    longest = int(lens.max())
+    balanced = max(CFG.min_split_tokens,
+                   -(-int(lens.sum()) // max(1, int(CFG.waves * sms / kv_heads))))
+    assert pages >= 1
+    assert split >= min(CFG.min_split_tokens, longest)
+    assert min(split, longest) <= WHOLE_ROW_SLACK * balanced + page
