@@ -18,6 +18,7 @@ import torch
 import triton
 
 from persistentkv import DecodeWrapper
+from persistentkv.bench.measure import graph_replay_us
 
 
 @triton.jit
@@ -26,26 +27,12 @@ def empty_kernel(x_ptr, n):
 
 
 def graph_us(fn, launches=32, reps=20):
-    """fn(i): the i-th launch of the graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    """Device time per launch of a CUDA graph of `launches` calls fn(0), fn(1), ..."""
+    def body():
         for i in range(launches):
             fn(i)
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(times)
+
+    return graph_replay_us(body, reps=reps) / launches
 
 
 def host_us(fn, reps=300):

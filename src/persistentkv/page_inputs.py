@@ -15,10 +15,9 @@ def host_values(*tensors: torch.Tensor,
     """The int32 `tensors` as int64 numpy arrays, and (min, max) of `bounds_of` ((0, -1) if it is
     empty or None), with at most one device-to-host copy (each copy is a synchronization) and none
     when the tensors are on the host and bounds_of is None."""
-    if bounds_of is None:
-        bounds_of = torch.zeros(0, dtype=torch.int32)
+    bounded = bounds_of is not None and bounds_of.numel() > 0
     on_device = [t for t in tensors if t.device.type != "cpu"]
-    parts = on_device + ([torch.stack(torch.aminmax(bounds_of))] if bounds_of.numel() else [])
+    parts = on_device + ([torch.stack(torch.aminmax(bounds_of))] if bounded else [])
     host = torch.cat([t.detach().reshape(-1) for t in parts]).cpu().numpy().astype(np.int64) \
         if parts else np.zeros(0, dtype=np.int64)
     out, at = [], 0
@@ -28,7 +27,7 @@ def host_values(*tensors: torch.Tensor,
         else:
             out.append(host[at: at + t.numel()])
             at += t.numel()
-    lo, hi = (int(host[at]), int(host[at + 1])) if bounds_of.numel() else (0, -1)
+    lo, hi = (int(host[at]), int(host[at + 1])) if bounded else (0, -1)
     return out, lo, hi
 
 

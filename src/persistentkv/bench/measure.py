@@ -111,6 +111,12 @@ def graph_time_per_layer(backend: Backend, step: StepInputs, layers: int, *, rep
         for layer in range(layers):
             backend.run(layer)
 
+    return graph_replay_us(body, reps=reps) / layers
+
+
+def graph_replay_us(body, *, reps: int) -> float:
+    """Median device time (us) of one replay of a CUDA graph that captures body(): warmed up
+    once on the capture stream, timed with CUDA events around each replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):          # warm-up on the capture stream
@@ -127,7 +133,7 @@ def graph_time_per_layer(backend: Backend, step: StepInputs, layers: int, *, rep
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
+        times.append(start.elapsed_time(end) * 1e3)
     del graph
     return statistics.median(times)
 

@@ -25,25 +25,19 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
         ok = [r for r in summary if r["status"] == "ok" and "tokens_per_s_graph" in r]
         cases = list(dict.fromkeys(r["case"] for r in ok))
         backends = list(dict.fromkeys(r["backend"] for r in ok))
+        by = {(r["case"], r["backend"]): r for r in ok}
+
+        def throughput(row):   # graph mode where it was timed, else eager
+            v = row["tokens_per_s_graph"]
+            return v if v == v else row["tokens_per_s_eager"]
+
         fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.2), 5))
-        width = 0.8 / max(len(backends), 1)
-        for i, b in enumerate(backends):
-            vals = []
-            for c in cases:
-                row = next((r for r in ok if r["case"] == c and r["backend"] == b), None)
-                v = row["tokens_per_s_graph"] if row else math.nan
-                vals.append(v if v == v else row["tokens_per_s_eager"] if row else math.nan)
-            ax.bar([x + i * width for x in range(len(cases))], vals, width, label=b)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases, rotation=30, ha="right")
+        _grouped_bars(ax, cases, backends, by, throughput)
         ax.set_yscale("log")
         ax.set_ylabel("decode tokens / s (one layer, graph replay)")
         ax.set_title(f"Throughput per backend ({env['device']})")
         ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        p = out_dir / f"{Path(path).stem}-throughput.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save(fig, out_dir / f"{Path(path).stem}-throughput.png"))
 
         fig, ax = plt.subplots(figsize=(8, 5))
         timed = [s for s in steps if s["status"] == "ok" and s["graph_us"] == s["graph_us"]]
@@ -59,32 +53,38 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
         ax.set_ylabel("KV read bandwidth (TB/s)")
         ax.set_title("Achieved bandwidth against context length")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out_dir / f"{Path(path).stem}-bandwidth.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        written.append(_save(fig, out_dir / f"{Path(path).stem}-bandwidth.png"))
 
         mine = [b for b in backends if b != FI_BEST]
         if FI_BEST in backends and mine:
             fig, axes = plt.subplots(2, 1, figsize=(max(9, len(cases) * 0.75), 9), sharey=True)
             for ax, mode in zip(axes, ("graph", "eager")):
-                for i, b in enumerate(mine):
-                    vals = [next((r[f"speedup_{mode}_vs_fi_best"] for r in ok
-                                  if r["case"] == c and r["backend"] == b), math.nan) for c in cases]
-                    ax.bar([x + i * width for x in range(len(cases))], vals, width, label=b)
+                _grouped_bars(ax, cases, mine, by, lambda row: row[f"speedup_{mode}_vs_fi_best"])
                 ax.axhline(1.0, color="k", lw=1)
-                ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases, rotation=30,
-                              ha="right")
                 ax.set_title(f"{mode} mode")
-            for ax in axes:
                 ax.set_ylabel("speedup over FlashInfer's best (x)")
             handles, labels = axes[0].get_legend_handles_labels()
             fig.legend(handles, labels, loc="lower center", ncol=min(len(mine), 8), fontsize=8)
             fig.suptitle(f"Against FlashInfer's best entry per step ({env['device']})")
-            fig.tight_layout(rect=(0, 0.04, 1, 1))
-            p = out_dir / f"{Path(path).stem}-vs-flashinfer.png"
-            fig.savefig(p, dpi=110)
-            plt.close(fig)
-            written.append(p)
+            written.append(_save(fig, out_dir / f"{Path(path).stem}-vs-flashinfer.png",
+                                 rect=(0, 0.04, 1, 1)))
     return written
+
+
+def _grouped_bars(ax, cases: list[str], series: list[str], by: dict, value) -> None:
+    """One group of bars per case, one bar per series (backend): value(row) of by[(case, series)],
+    NaN where missing; the case names under the groups."""
+    width = 0.8 / max(len(series), 1)
+    for i, name in enumerate(series):
+        vals = [value(by[(c, name)]) if (c, name) in by else math.nan for c in cases]
+        ax.bar([x + i * width for x in range(len(cases))], vals, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))], cases, rotation=30, ha="right")
+
+
+def _save(fig, path: Path, *, rect=(0, 0, 1, 1)) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
