@@ -18,7 +18,7 @@ from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
 from persistentkv.tuning import default_config
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
-            "meta_ptr": "*i32", "tasks_ptr": "*i32", "num_tasks_ptr": "*i32", "out_ptr": "*fp16",
+            "meta_ptr": "*i32", "tasks_ptr": "*i32", "plan_info_ptr": "*i32", "out_ptr": "*fp16",
             "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
 
 

@@ -5,8 +5,10 @@ Device time per launch inside a CUDA graph of 32 launches (median of 20 replays)
   - the decode kernel on 1 token per row (every task one page, no merge): the kernel's fixed cost;
   - the same with rows cut in 2 splits (1 token and 17 tokens, 16-token splits): plus the merge;
   - a few static steps with the default split, for A/B runs of two versions in one session.
+Graph mode on a few steps: one GPU plan and 32 layers in the graph, per layer.
 Host time per call (median of 300) for a torch add_ on 1K floats, an empty Triton kernel through
-`kernel[grid]`, and DecodeWrapper.run() on the B1 and B8 steps.
+`kernel[grid]`, DecodeWrapper.run() on the B1, B8 and B128 steps, and plan() for B1 and B128
+with the host planner (page table on the device; lengths on the host) and the GPU planner.
 Run: PYTHONPATH=src python scripts/probe_fixed_cost.py > probe.json
 """
 import json
@@ -66,6 +68,43 @@ def decode_step(seq_lens, *, split_pages=None, backend="split", hq=32, hkv=8, d=
     return w, q, caches, out
 
 
+def page_table(seq_lens, page=16):
+    pages = [-(-n // page) for n in seq_lens]
+    indices = torch.randperm(sum(pages) + 1, device="cuda")[:sum(pages)].int()
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    last = torch.tensor([(n - 1) % page + 1 for n in seq_lens], dtype=torch.int32, device="cuda")
+    return indptr, indices, last
+
+
+def plan_variants(seq_lens, hq=32, hkv=8, d=128, page=16):
+    """plan() as a serving loop would call it: host planner with the page table on the device
+    (checked), host planner with the lengths on the host (unchecked), GPU planner (graph mode)."""
+    indptr, indices, last = page_table(seq_lens, page)
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page)
+    yield "host planner, table on device", dict(
+        wrapper=DecodeWrapper("HND"), kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+        backend="split", **heads)
+    yield "host planner, lengths on host, check_indices=False", dict(
+        wrapper=DecodeWrapper("HND"), kv_indptr=indptr.cpu(), kv_indices=indices,
+        kv_last_page_len=last.cpu(), backend="split", check_indices=False, **heads)
+    yield "GPU planner (use_cuda_graph=True)", dict(
+        wrapper=DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=len(seq_lens),
+                              max_num_pages=indices.numel()),
+        kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **heads)
+
+
+def graph_mode_step(seq_lens, hq=32, hkv=8, d=128, page=16):
+    """A graph-mode wrapper planned on the GPU (split size chosen there), and its plan() call."""
+    _, q, caches, out = decode_step(seq_lens)
+    indptr, indices, last = page_table(seq_lens, page)
+    w = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=len(seq_lens),
+                      max_num_pages=indices.numel())
+    kwargs = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, num_qo_heads=hq,
+                  num_kv_heads=hkv, head_dim=d, page_size=page)
+    w.plan(**kwargs)
+    return w, q, caches, out, lambda: w.plan(**kwargs)
+
+
 def main():
     x = torch.zeros(1024, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -96,6 +135,15 @@ def main():
         w, q, caches, out = decode_step(lens)
         r["host_us"][name + " out=given"] = host_us(lambda: w.run(q, caches[0], out=out))
         r["host_us"][name + " out=None"] = host_us(lambda: w.run(q, caches[0]))
+    for name, lens in (("B1 1K", [1024]), ("B128 1K", [1024] * 128)):
+        for label, kwargs in plan_variants(lens):
+            r["host_us"][f"plan() {name}, {label}"] = host_us(lambda: kwargs["wrapper"].plan(
+                **{k: v for k, v in kwargs.items() if k != "wrapper"}), reps=100)
+    for name, lens in (("B1 1K", [1024]), ("B8 1K", [1024] * 8), ("B1 8K", [8192]),
+                       ("B1 32K", [32768]), ("B32 8K", [8192] * 32)):
+        w, q, caches, out, plan = graph_mode_step(lens)
+        r["device_us"][f"graph mode {name} (1 GPU plan + 32 layers, per layer)"] = graph_us(
+            lambda i: (i == 0 and plan(), w.run(q, caches[i % len(caches)], out=out)))
     print(json.dumps(r, indent=1))
 
 

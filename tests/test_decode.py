@@ -193,6 +193,26 @@ def test_merge_counters_reset_and_runs_repeat_bitwise(backend):
     check(case, wrapper, second)
 
 
+@pytest.mark.parametrize("as_pair", [False, True], ids=["pool", "kv-pair"])
+def test_every_call_reads_its_own_pointers(as_pair):
+    """After the first launch of a specialization, run() calls the compiled launcher directly with
+    the plan's buffers bound as addresses: each call must still read its own q, cache, out and lse,
+    and a new plan (same specialization, new buffers) its own page table."""
+    wrapper = DecodeWrapper("HND")
+    for step, lens in enumerate([[300, 7, 129], [40, 500, 1]]):
+        cases = [make_case(seq_lens=lens, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                           layout="HND", as_pair=as_pair, seed=10 + step) for _ in range(3)]
+        for c in cases[1:]:       # one page table per step, fresh q and K/V per layer
+            c.table = cases[0].table
+        wrapper.plan(**csr_kwargs(cases[0].table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, backend="workqueue", split_pages=2)
+        for layer, case in enumerate(cases):
+            out = torch.full_like(case.q, float("nan"))
+            got, lse = wrapper.run(case.q, case.kv_cache, out=out, return_lse=True)
+            assert got is out
+            check(case, wrapper, out, lse)
+
+
 def test_checks_still_run_after_a_cached_signature():
     case = make_case(seq_lens=[30, 50], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     wrapper = DecodeWrapper("NHD")

@@ -71,22 +71,69 @@ def test_device_plan_matches_reference_as_the_batch_changes(form):
         assert int(wrapper._counters.abs().sum()) == 0
 
 
-def test_device_plan_tasks_agree_with_host_plan():
-    cache, static = _cache(1), StaticTable()
-    for i, n in enumerate([300, 7, 64]):
+def _host_and_device_plans(lens, split_pages, seed=1):
+    cache, static = _cache(seed), StaticTable()
+    for i, n in enumerate(lens):
         cache.add_sequence(i)
         cache.append_tokens(i, n)
     static.fill(cache.page_table())
     device = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
-    plan = device.plan(**static.kwargs("csr"), **HEADS, split_pages=2)
+    plan = device.plan(**static.kwargs("csr"), **HEADS, split_pages=split_pages)
     host = DecodeWrapper("HND").plan(**dict(zip(("kv_indptr", "kv_indices", "kv_last_page_len"),
                                                 cache.page_table().csr(DEVICE))),
-                                     **HEADS, backend="workqueue", split_pages=2)
-    n = int(plan.num_tasks_buf)
-    assert n == host.tasks.shape[1] == 10 + 1 + 2
+                                     **HEADS, backend="workqueue", split_pages=split_pages)
+    return plan, host
+
+
+def _assert_same_work(plan, host, batch):
+    n, split_tokens = plan.plan_info.tolist()
+    assert split_tokens == host.schedule.split_tokens
+    assert n == host.tasks.shape[1]
     got = sorted(map(tuple, plan.tasks[:, :n].T.tolist()))
     assert got == sorted(map(tuple, host.tasks.T.tolist()))
-    assert plan.meta[:, :3].tolist() == host.meta.tolist()
+    assert plan.meta[:, :batch].tolist() == host.meta.tolist()
+
+
+def test_device_plan_tasks_agree_with_host_plan():
+    plan, host = _host_and_device_plans([300, 7, 64], split_pages=2)
+    assert host.tasks.shape[1] == 10 + 1 + 2
+    _assert_same_work(plan, host, 3)
+
+
+@pytest.mark.parametrize("lens", [[300, 7, 64], [100, 90], [1], [700, 1, 1, 40], [16, 16, 16, 16]])
+def test_device_plan_picks_the_host_split_size(lens):
+    """Without split_pages the GPU planner applies the host's split rule to the step's lengths:
+    same split size, same tasks, same partial slots (a balanced split, whole rows, one page)."""
+    plan, host = _host_and_device_plans(lens, split_pages=None)
+    _assert_same_work(plan, host, len(lens))
+
+
+def test_replan_with_the_same_tables_reruns_only_the_planner():
+    """A plan() with the same page-table tensors and options as the last one relaunches the GPU
+    planner on their new contents; other tensors or options take the full, checked path."""
+    cache, static = _cache(2), StaticTable()
+    wrapper = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
+    q = torch.randn(MAX_B, 8, 64, dtype=torch.float16, device=DEVICE)
+    other = StaticTable()
+    for step, (lens, table_set, split) in enumerate([([40, 9], static, None), ([300, 1], static, None),
+                                                     ([64], other, None), ([200, 30, 5], other, 3)]):
+        for sid in list(cache.allocator.sequence_ids):
+            cache.free_sequence(sid)
+        for i, n in enumerate(lens):
+            cache.add_sequence(i)
+            cache.append_tokens(i, n)
+        table = cache.page_table()
+        table_set.fill(table)
+        plan = wrapper.plan(**table_set.kwargs("csr"), **HEADS, split_pages=split)
+        assert plan.indices is table_set.indices
+        out = torch.full_like(q, float("nan"))
+        wrapper.run(q, cache.pools[0], out=out)
+        b = len(lens)
+        ref, _ = reference_decode(q[:b], cache.pools[0], layout="HND", **dict(zip(
+            ("kv_indptr", "kv_indices", "kv_last_page_len"), table.csr(DEVICE))))
+        assert relative_error(out[:b], ref) <= TOLERANCE[torch.float16], step
+    with pytest.raises(ValueError, match="num_qo_heads=7 must be a multiple"):
+        wrapper.plan(**other.kwargs("csr"), **{**HEADS, "num_qo_heads": 7}, split_pages=3)
 
 
 def test_graph_mode_argument_checks():

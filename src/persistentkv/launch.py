@@ -2,9 +2,11 @@
 specialization, a direct call into the compiled launcher after that.
 
 Triton's `kernel[grid](...)` binds and specializes every argument on every call (tens of us of host
-time with two dozen arguments). The caller gives a `key` that pins everything Triton specializes on
-(dtypes, pointer alignment, the int arguments' values); calls with a key seen before reuse the
-compiled kernel.
+time with two dozen arguments), and its launcher calls `data_ptr()` and a driver query
+(cuPointerGetAttribute) for every tensor argument. A `BoundLaunch` fixes everything but the first
+few pointer arguments once: the key pins everything Triton specializes on (dtypes, pointer
+alignment, the int arguments' values), the fixed tensors go to the compiled launcher as integer
+addresses, and a call pays for one `data_ptr()` per leading tensor and the launch itself.
 """
 from __future__ import annotations
 
@@ -13,37 +15,62 @@ from triton import knobs
 
 from .runtime import interpreting
 
-
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (   # what Triton itself uses
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 class Launcher:
+    """The compiled specializations of one kernel, shared by every BoundLaunch of it."""
+
     def __init__(self, kernel):
         self.kernel = kernel
-        self._compiled: dict[tuple, object] = {}
-        self._names = list(kernel.arg_names)
+        self.compiled: dict[tuple, object] = {}
+        self.names = list(kernel.arg_names)
 
-    def __call__(self, grid: tuple[int, ...], key: tuple, args: tuple, constexprs: dict, *,
-                 num_warps: int, num_stages: int, device_index: int | None = None) -> None:
-        """Launch on the current stream of device `device_index` (the current device if None).
-        args: the runtime arguments in signature order; constexprs: the compile-time ones, which
-        follow them in the signature."""
-        hooked = knobs.runtime.launch_enter_hook is not None   # profilers want Triton's own path
-        compiled = None if interpreting() or hooked else self._compiled.get(key)
-        if compiled is None:
-            # the direct call passes arguments by position: they must follow the signature
-            if self._names != [*self._names[:len(args)], *constexprs]:
-                raise TypeError(f"{self.kernel.__name__}: constexprs {list(constexprs)} do not follow "
-                                f"the signature {self._names[len(args):]}")
-            compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps,
-                                         num_stages=num_stages)
-            if not interpreting():
-                self._compiled[key] = compiled
+    def bind(self, *, grid: tuple[int, ...], key: tuple, fixed: tuple, constexprs: dict,
+             num_warps: int, num_stages: int, device_index: int) -> BoundLaunch:
+        """A launch whose arguments after the leading tensors are `fixed` (tensors and scalars, in
+        signature order), followed by `constexprs`."""
+        return BoundLaunch(self, grid=grid, key=key, fixed=fixed, constexprs=constexprs,
+                           num_warps=num_warps, num_stages=num_stages, device_index=device_index)
+
+
+class BoundLaunch:
+    """launch(*leading): launch with the leading tensor arguments on the current stream of the
+    bound device. The fixed tensors must outlive it (the caller holds them)."""
+
+    def __init__(self, launcher: Launcher, *, grid, key, fixed, constexprs, num_warps, num_stages,
+                 device_index):
+        self.launcher, self.key, self.fixed, self.constexprs = launcher, key, fixed, constexprs
+        self.options = dict(num_warps=num_warps, num_stages=num_stages)
+        self.grid, self.device_index = grid, device_index
+        self.interpreted = interpreting()
+        self.trailing = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in fixed),
+                         *constexprs.values())
+        self.direct = None
+        compiled = None if self.interpreted else launcher.compiled.get(key)
+        if compiled is not None:
+            self._set_direct(compiled)
+
+    def _set_direct(self, compiled) -> None:
+        g = self.grid + (1,) * (3 - len(self.grid))
+        self.direct = (compiled.run, g[0], g[1], g[2], compiled.function, compiled.packed_metadata)
+
+    def __call__(self, *leading: torch.Tensor) -> None:
+        direct = self.direct
+        if direct is not None and knobs.runtime.launch_enter_hook is None:
+            run, g0, g1, g2, function, metadata = direct
+            run(g0, g1, g2, _raw_stream(self.device_index), function, metadata, None, None,
+                knobs.runtime.launch_exit_hook, *[t.data_ptr() for t in leading], *self.trailing)
             return
-        g = grid + (1,) * (3 - len(grid))
-        if device_index is None:
-            device_index = torch.cuda.current_device()
-        compiled.run(g[0], g[1], g[2], _raw_stream(device_index), compiled.function,
-                     compiled.packed_metadata, None, None, knobs.runtime.launch_exit_hook, *args,
-                     *constexprs.values())
+        # Triton's own path: the first call of a specialization, the interpreter, or a profiler's
+        # launch hook. The direct call passes arguments by position: they must follow the signature.
+        names, n_args = self.launcher.names, len(leading) + len(self.fixed)
+        if names != [*names[:n_args], *self.constexprs]:
+            raise TypeError(f"{self.launcher.kernel.__name__}: constexprs {list(self.constexprs)} do "
+                            f"not follow the signature {names[n_args:]}")
+        compiled = self.launcher.kernel[self.grid](*leading, *self.fixed, **self.constexprs,
+                                                   **self.options)
+        if not self.interpreted:
+            self.launcher.compiled[self.key] = compiled
+            self._set_direct(compiled)

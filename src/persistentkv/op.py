@@ -14,7 +14,7 @@ from .runtime import interpreting
 
 @torch.library.custom_op("persistentkv::paged_decode", mutates_args=("part_o", "part_lse", "counters"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                 meta: torch.Tensor, tasks: torch.Tensor, num_tasks: torch.Tensor | None,
+                 meta: torch.Tensor, tasks: torch.Tensor, plan_info: torch.Tensor | None,
                  part_o: torch.Tensor,
                  part_lse: torch.Tensor, counters: torch.Tensor, cache_strides: list[int],
                  split_tokens: int, sm_scale: float, num_kv_heads: int, page_size: int,
@@ -30,19 +30,19 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
         return out
     group = num_qo_heads // num_kv_heads
     paged_decode_kernel[tuple(grid)](
-        q, k, v, indices, meta, tasks, meta if num_tasks is None else num_tasks, out, out, part_o,
+        q, k, v, out, out, indices, meta, tasks, meta if plan_info is None else plan_info, part_o,
         part_lse, counters, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
         batch, tasks.shape[1], tasks.shape[1], split_tokens, sm_scale * 1.4426950408889634,
         **decode_constexprs(num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                             page_size=page_size, block_n=block_n, persistent=persistent,
-                            tasks_on_device=num_tasks is not None, return_lse=False,
+                            tasks_on_device=plan_info is not None, return_lse=False,
                             upcast=interpreting()),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k, v, indices, meta, tasks, num_tasks, part_o, part_lse, counters, cache_strides,
+def _paged_decode_fake(q, k, v, indices, meta, tasks, plan_info, part_o, part_lse, counters, cache_strides,
                        split_tokens, sm_scale, num_kv_heads, page_size, persistent, grid, block_n,
                        num_warps, num_stages):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

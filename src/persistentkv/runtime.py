@@ -15,8 +15,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1). Triton's own is a constexpr function: microseconds per
+    call from host code, which plan() and run() cannot afford."""
+    return 1 << (n - 1).bit_length()
+
+
+_NUMPY_MAJOR = int(np.__version__.split(".")[0])
+
+
 def check_interpreter_numpy() -> None:
-    if interpreting() and int(np.__version__.split(".")[0]) >= 2:
+    if _NUMPY_MAJOR >= 2 and interpreting():
         raise RuntimeError(
             f"Triton's interpreter cannot run these kernels with numpy {np.__version__} (a loop bound "
             "loaded from memory fails under numpy 2); install numpy<2 (pip install 'numpy<2')"

@@ -37,18 +37,30 @@ class Schedule:
 WHOLE_ROW_SLACK = 1.25  # a row up to this many times the balanced split is not cut
 
 
+def balanced_task_count(*, num_kv_heads: int, sm_count: int, config: KernelConfig) -> int:
+    """Tasks per KV head that fill the GPU config.waves times over."""
+    return max(1, int(config.waves * sm_count / num_kv_heads))
+
+
+def whole_row_min_rows(*, num_kv_heads: int, sm_count: int) -> int:
+    """Rows from which one task per (row, KV head) alone fills the SMs."""
+    return -(-sm_count // num_kv_heads)
+
+
 def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: int,
                         sm_count: int, config: KernelConfig) -> int:
     """Pages per split: the step's tokens shared out as about config.waves x SMs tasks (each at
     least config.min_split_tokens). When rows x KV heads already fill the SMs and no row is much
     longer than that balanced split, whole rows (splitting would only add partial writes and
-    merges); a long row in a large batch is still cut, or its task would run long after the rest."""
+    merges); a long row in a large batch is still cut, or its task would run long after the rest.
+    The GPU planner of graph mode applies the same rule on the device (kernels/plan.py)."""
     if not len(seq_lens):
         return 1
     max_len = int(seq_lens.max())
-    target_tasks = max(1, int(config.waves * sm_count / num_kv_heads))
+    target_tasks = balanced_task_count(num_kv_heads=num_kv_heads, sm_count=sm_count, config=config)
     split_tokens = max(config.min_split_tokens, -(-int(seq_lens.sum()) // target_tasks))
-    if len(seq_lens) * num_kv_heads >= sm_count and max_len <= WHOLE_ROW_SLACK * split_tokens:
+    if (len(seq_lens) >= whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sm_count)
+            and max_len <= WHOLE_ROW_SLACK * split_tokens):
         split_tokens = max_len
     return max(1, -(-split_tokens // page_size))
 

@@ -13,16 +13,16 @@ from typing import Callable
 
 import numpy as np
 import torch
-import triton
 
 from .cache import CACHE_DTYPES, check_layout
 from .checks import check_positive_int, check_same_device, check_tensor
 from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .kernels.plan import plan_workqueue_kernel
-from .launch import Launcher
+from .launch import BoundLaunch, Launcher
 from .page_inputs import block_rows, cache_views, check_block_shapes, check_csr_shapes, csr_rows
-from .runtime import check_interpreter_numpy, interpreting, sm_count
-from .schedule import BACKENDS, Schedule, build_schedule
+from .runtime import check_interpreter_numpy, interpreting, next_power_of_2, sm_count
+from .schedule import (BACKENDS, WHOLE_ROW_SLACK, Schedule, balanced_task_count, build_schedule,
+                       whole_row_min_rows)
 from .tuning import KernelConfig, default_config
 
 MAX_GROUP = 64
@@ -48,7 +48,7 @@ class DecodePlan:
     max_page_index: int
     device: torch.device
     config: KernelConfig
-    num_tasks_buf: torch.Tensor | None = None   # int32 [1] task count, when planned on the GPU
+    plan_info: torch.Tensor | None = None   # int32 [2] (task count, split tokens), planned on the GPU
     exact_max_page: Callable[[], int] | None = None  # when max_page_index is only an upper bound
 
 
@@ -60,8 +60,10 @@ class DecodeWrapper:
     so that plan() + run() can be captured in one CUDA graph and replayed for every batch
     composition: fill the same page-table tensors in place before each replay; rows with no pages
     (CSR) or seq_lens 0 are inactive and their output rows are left untouched. Graph mode uses the
-    work-queue schedule with a fixed split size (split_pages, default DETERMINISTIC_SPLIT_TOKENS),
-    and trusts the page table: it checks shapes and dtypes, not the indices' values.
+    work-queue schedule; the GPU planner picks each step's split size from that step's lengths by
+    the host planner's rule (schedule.default_split_pages), or uses split_pages when given (then
+    max_num_pages bounds the task buffer). It trusts the page table: it checks shapes and dtypes,
+    not the indices' values.
     """
 
     def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None,
@@ -79,11 +81,14 @@ class DecodeWrapper:
                              "use_cuda_graph=True; leave them out otherwise")
         self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
         self._graph_buffers: dict[str, torch.Tensor] = {}
+        self._planner = Launcher(plan_workqueue_kernel)
+        self._plan_launches: dict[tuple, BoundLaunch] = {}   # bound to the graph buffers
+        self._graph_memo: _GraphMemo | None = None
         self._plan: DecodePlan | None = None
         self._part_o = torch.empty(0)
         self._part_lse = torch.empty(0)
         self._counters = torch.zeros(0, dtype=torch.int32)
-        self._launch = Launcher(paged_decode_kernel)
+        self._launcher = Launcher(paged_decode_kernel)
         self._prepared: dict = {}
 
     @property
@@ -116,6 +121,12 @@ class DecodeWrapper:
         batch (the merge order is fixed in every mode); with backend="auto" it plans "split".
         """
         check_interpreter_numpy()
+        if self.use_cuda_graph:   # the same page-table tensors and options as the last plan()?
+            tables = (kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens)
+            options = (num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages,
+                       sm_scale, config, deterministic, check_indices)
+            if self._graph_replan(tables, options):
+                return self._plan
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("page_size", page_size)):
             check_positive_int(name, value)
@@ -147,10 +158,13 @@ class DecodeWrapper:
         csr = (kv_indptr, kv_indices, kv_last_page_len)
         block = (block_table, seq_lens)
         if self.use_cuda_graph:
-            return self._plan_on_device(csr, block, num_qo_heads=num_qo_heads,
-                                        num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                        page_size=page_size, backend=backend,
-                                        split_pages=split_pages, sm_scale=sm_scale, config=config)
+            plan, launch, leading = self._plan_on_device(
+                csr, block, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, page_size=page_size, backend=backend, split_pages=split_pages,
+                sm_scale=sm_scale, config=config)
+            self._graph_memo = _GraphMemo(tables, tuple(t.shape for t in tables if t is not None),
+                                          options, plan, launch, leading)
+            return plan
         if all(t is not None for t in csr) and all(t is None for t in block):
             lens, starts, (lo, hi), exact_used = csr_rows(*csr, page_size, bounds=check_indices)
             indices, device = kv_indices, kv_indices.device
@@ -215,9 +229,26 @@ class DecodeWrapper:
                                    group=group)
         return self.policy.decide(features, pkv_only=True)
 
+    def _graph_replan(self, tables: tuple, options: tuple) -> bool:
+        """plan() of graph mode with the page-table tensors (the same objects, of the same shapes)
+        and options of the last one, already checked: only the GPU planner's launch again. The
+        plan, and run()'s prepared launches, stay as they are."""
+        memo = self._graph_memo
+        if memo is None or memo.options != options:
+            return False
+        for t, known in zip(tables, memo.tables):
+            if t is not known:
+                return False
+        if tuple(t.shape for t in tables if t is not None) != memo.shapes:
+            return False
+        memo.launch(*memo.leading)
+        self._plan = memo.plan
+        return True
+
     def _plan_on_device(self, csr, block, *, num_qo_heads, num_kv_heads, head_dim, page_size,
-                        backend, split_pages, sm_scale, config) -> DecodePlan:
-        """plan() of graph mode: one launch of the GPU planner; capturable."""
+                        backend, split_pages, sm_scale, config):
+        """plan() of graph mode: one launch of the GPU planner; capturable. Returns the plan, the
+        planner's bound launch and its page-table arguments."""
         if backend not in ("workqueue", "auto"):
             raise ValueError(f"use_cuda_graph=True plans the work-queue schedule; got backend={backend!r}")
         max_b = self.max_batch_size
@@ -242,22 +273,38 @@ class DecodeWrapper:
             raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
                              "block_table and seq_lens, not a mix")
         device = indices.device
-        if split_pages is None:
-            split_pages = _fixed_split_pages(page_size)
-        split_tokens = split_pages * page_size
-        capacity = max_b + -(-self.max_num_pages * page_size // split_tokens)
+        sms = sm_count(device)
+        target_tasks = balanced_task_count(num_kv_heads=num_kv_heads, sm_count=sms, config=config)
+        adaptive = split_pages is None
+        if adaptive:   # split size chosen on the GPU: at most one task per row past target_tasks
+            split_tokens, capacity = 0, max_b + target_tasks
+        else:
+            split_tokens = split_pages * page_size
+            capacity = max_b + -(-self.max_num_pages * page_size // split_tokens)
         bufs = self._graph_buffers
         if (not bufs or bufs["tasks"].shape[1] != capacity or bufs["meta"].device != device):
             bufs.update(meta=torch.zeros(3, max_b, dtype=torch.int32, device=device),
                         tasks=torch.zeros(2, capacity, dtype=torch.int32, device=device),
-                        num_tasks=torch.zeros(1, dtype=torch.int32, device=device))
+                        plan_info=torch.zeros(2, dtype=torch.int32, device=device))
+            self._plan_launches.clear()
         self._reserve_workspace(capacity * num_qo_heads, head_dim, max_b * num_kv_heads, device)
-        plan_workqueue_kernel[(max_b,)](
-            kv_indptr, kv_last_page_len, lens_src, bufs["meta"], bufs["tasks"], bufs["num_tasks"],
-            max_b, capacity, split_tokens, row_stride, PAGE_SIZE=page_size,
-            BLOCK_ROWS=triton.next_power_of_2(max_b), BLOCK_SPLITS=32, CSR=is_csr, num_warps=4)
-        programs = config.programs_per_sm * sm_count(device)
-        schedule = Schedule(backend="workqueue", split_pages=split_pages, split_tokens=split_tokens,
+        # one launch of the GPU planner; everything but the page-table tensors is bound once
+        fixed = (bufs["meta"], bufs["tasks"], bufs["plan_info"], max_b, capacity, split_tokens,
+                 row_stride, target_tasks, config.min_split_tokens,
+                 whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sms), WHOLE_ROW_SLACK)
+        constexprs = dict(PAGE_SIZE=page_size, BLOCK_ROWS=next_power_of_2(max_b),
+                          BLOCK_SPLITS=32, CSR=is_csr, ADAPTIVE=adaptive)
+        leading = (kv_indptr, kv_last_page_len, lens_src)
+        key = (*fixed[3:], *constexprs.values(), device.index, *(t.data_ptr() % 16 for t in leading))
+        launch = self._plan_launches.get(key)
+        if launch is None:
+            launch = self._plan_launches[key] = self._planner.bind(
+                grid=(max_b,), key=key, fixed=fixed, constexprs=constexprs, num_warps=4,
+                num_stages=3, device_index=device.index)
+        launch(*leading)
+        programs = config.programs_per_sm * sms
+        schedule = Schedule(backend="workqueue", split_pages=split_pages or 0,
+                            split_tokens=split_tokens,
                             meta=np.zeros((3, 0), np.int32), tasks=np.zeros((2, 0), np.int32),
                             num_slots=capacity, grid=(programs,))
         self._plan = DecodePlan(
@@ -265,9 +312,9 @@ class DecodeWrapper:
             head_dim=head_dim, page_size=page_size,
             sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
             schedule=schedule, indices=indices, meta=bufs["meta"], tasks=bufs["tasks"],
-            max_page_index=-1, device=device, config=config, num_tasks_buf=bufs["num_tasks"])
+            max_page_index=-1, device=device, config=config, plan_info=bufs["plan_info"])
         self._prepared = {}
-        return self._plan
+        return self._plan, launch, leading
 
     def _reserve_workspace(self, partials: int, head_dim: int, counters: int,
                            device: torch.device) -> None:
@@ -309,14 +356,13 @@ class DecodeWrapper:
             if sig is not None:
                 self._prepared[sig] = prepared
         if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else out
         if plan.batch_size:
-            k, v = (kv_cache, kv_cache) if type(kv_cache) is torch.Tensor else kv_cache
-            tables, tail, constexprs, key, device_index = prepared
-            self._launch(plan.schedule.grid, key, (q, k, v, *tables, out, lse, *tail), constexprs,
-                         num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
-                         device_index=device_index)
+            if type(kv_cache) is torch.Tensor:
+                prepared(q, kv_cache, kv_cache, out, lse)
+            else:
+                prepared(q, kv_cache[0], kv_cache[1], out, lse)
         return (out, lse) if return_lse else out
 
     def _run_traced(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool) -> torch.Tensor:
@@ -336,7 +382,7 @@ class DecodeWrapper:
         else:
             stride_kv = 0
         sched, cfg = plan.schedule, plan.config
-        return paged_decode(q, k, v, plan.indices, plan.meta, plan.tasks, plan.num_tasks_buf,
+        return paged_decode(q, k, v, plan.indices, plan.meta, plan.tasks, plan.plan_info,
                             self._part_o,
                             self._part_lse, self._counters,
                             [stride_page, stride_head, stride_tok, stride_kv], sched.split_tokens,
@@ -344,9 +390,9 @@ class DecodeWrapper:
                             sched.backend == "workqueue", list(sched.grid), cfg.block_n,
                             cfg.num_warps, cfg.num_stages)
 
-    def _prepare(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool):
-        """Check run()'s arguments in full; return the launch's fixed arguments (before and after
-        q, k, v, out, lse), its constexprs, its key and the device index."""
+    def _prepare(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool) -> BoundLaunch:
+        """Check run()'s arguments in full; return the launch with everything but q, k, v, out and
+        lse bound."""
         check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
         want = (plan.batch_size, plan.num_qo_heads, plan.head_dim)
         if tuple(q.shape) != want:
@@ -383,18 +429,18 @@ class DecodeWrapper:
         stride_kv = kv_cache.stride(1) if isinstance(kv_cache, torch.Tensor) else 0
         strides = (q.stride(0), q.stride(1), out_strides[0], out_strides[1], stride_page, stride_head,
                    stride_tok, stride_kv)
-        # the launch's arguments around q, k, v, out and lse, fixed by the plan and the signature
-        tables = (plan.indices, plan.meta, plan.tasks,
-                  plan.meta if plan.num_tasks_buf is None else plan.num_tasks_buf)
-        tail = (self._part_o, self._part_lse, self._counters, *strides, plan.batch_size,
-                plan.schedule.tasks.shape[1], plan.tasks.shape[1], plan.schedule.split_tokens,
-                plan.sm_scale * 1.4426950408889634)
+        # the launch's arguments after q, k, v, out and lse, fixed by the plan and the signature
+        fixed = (plan.indices, plan.meta, plan.tasks,
+                 plan.meta if plan.plan_info is None else plan.plan_info,
+                 self._part_o, self._part_lse, self._counters, *strides, plan.batch_size,
+                 plan.schedule.tasks.shape[1], plan.tasks.shape[1], plan.schedule.split_tokens,
+                 plan.sm_scale * 1.4426950408889634)
         group = plan.num_qo_heads // plan.num_kv_heads
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=group, head_dim=plan.head_dim,
             page_size=plan.page_size, block_n=plan.config.block_n,
             persistent=plan.schedule.backend == "workqueue",
-            tasks_on_device=plan.num_tasks_buf is not None, return_lse=return_lse,
+            tasks_on_device=plan.plan_info is not None, return_lse=return_lse,
             upcast=interpreting())
         # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
         # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
@@ -402,7 +448,21 @@ class DecodeWrapper:
         key = (tuple(constexprs.values()), q.dtype, strides, q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
                plan.meta.data_ptr() % 16, plan.tasks.data_ptr() % 16)
-        return tables, tail, constexprs, key, q.device.index
+        return self._launcher.bind(grid=plan.schedule.grid, key=key, fixed=fixed,
+                                   constexprs=constexprs, num_warps=plan.config.num_warps,
+                                   num_stages=plan.config.num_stages, device_index=q.device.index)
+
+
+@dataclass(frozen=True)
+class _GraphMemo:
+    """The last graph-mode plan() and what it was given (tensors compared by identity)."""
+
+    tables: tuple
+    shapes: tuple
+    options: tuple
+    plan: DecodePlan
+    launch: BoundLaunch
+    leading: tuple
 
 
 def _fixed_split_pages(page_size: int) -> int:

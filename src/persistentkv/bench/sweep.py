@@ -19,7 +19,8 @@ from ..reference import TOLERANCE, relative_error
 
 SWEEP_CELLS = {"B1 L1K": [1024], "B1 L8K": [8192], "B1 L32K": [32768], "B4 L1K": [1024] * 4,
                "B8 L1K": [1024] * 8, "B8 L8K": [8192] * 8, "B32 L8K": [8192] * 32,
-               "B128 L1K": [1024] * 128, "B8 zipf": [259, 2040, 917, 24851, 2345, 270, 264, 372]}
+               "B128 L1K": [1024] * 128, "B8 zipf": [259, 2040, 917, 24851, 2345, 270, 264, 372],
+               "B128 L8K": [8192] * 128, "B32 L32K": [32768] * 32, "B8 L128K": [131072] * 8}
 L2_ROTATION_BYTES = 256e6   # enough layers that one step's KV across them is several L2s (60 MB)
 
 

@@ -11,6 +11,7 @@ Grid: (rows, KV heads, max splits) for the split/grouped schedules (empty splits
 import triton
 import triton.language as tl
 
+from ..runtime import next_power_of_2
 from .merge import merge_partials
 from .softmax import online_softmax_step
 
@@ -123,8 +124,9 @@ def _decode_task(row, kv_head, split,
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_tasks", "task_capacity", "split_tokens"])
-def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, num_tasks_ptr,
-                        out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+                        indices_ptr, meta_ptr, tasks_ptr, plan_info_ptr,
+                        part_o_ptr, part_lse_ptr, counters_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_page, stride_head, stride_tok, stride_kv,
                         num_rows, num_tasks, task_capacity, split_tokens, scale_log2,
@@ -137,13 +139,16 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr, tasks_ptr, n
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
 
     meta: int32 [3, num_rows] = (seq_len, first entry of the row in indices, first partial slot or -1).
-    tasks: int32 [2, task_capacity] = (row, split), read only when PERSISTENT; the task count is
-    num_tasks, or with TASKS_ON_DEVICE the int32 at num_tasks_ptr (planned on the GPU). counters: int32
-    [num_rows, NUM_KV_HEADS], zero between launches (the merging task resets its own).
+    tasks: int32 [2, task_capacity] = (row, split), read only when PERSISTENT; the task count and
+    the split size are num_tasks and split_tokens, or with TASKS_ON_DEVICE (planned on the GPU) the
+    int32 pair at plan_info_ptr. counters: int32 [num_rows, NUM_KV_HEADS], zero between launches
+    (the merging task resets its own). The pointers that change from call to call (q, k, v, out,
+    lse) come first, the plan's own after them.
     """
     if PERSISTENT:
         if TASKS_ON_DEVICE:
-            num_tasks = tl.load(num_tasks_ptr)
+            num_tasks = tl.load(plan_info_ptr)
+            split_tokens = tl.load(plan_info_ptr + 1)
         for t in tl.range(tl.program_id(0), num_tasks * NUM_KV_HEADS, tl.num_programs(0)):
             task = t // NUM_KV_HEADS
             row = tl.load(tasks_ptr + task)
@@ -170,7 +175,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       persistent: bool, tasks_on_device: bool, return_lse: bool,
                       upcast: bool) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order."""
-    return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-                HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=page_size,
-                BLOCK_N=block_n, G_MERGE=triton.next_power_of_2(group), PERSISTENT=persistent,
+    return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
+                HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size,
+                BLOCK_N=block_n, G_MERGE=next_power_of_2(group), PERSISTENT=persistent,
                 TASKS_ON_DEVICE=tasks_on_device, RETURN_LSE=return_lse, UPCAST=upcast)

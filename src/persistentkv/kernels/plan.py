@@ -8,16 +8,22 @@ import triton.language as tl
 
 
 @triton.jit
-def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, num_tasks_ptr,
-                          num_rows, task_capacity, split_tokens, block_table_stride,
+def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, plan_info_ptr,
+                          num_rows, task_capacity, fixed_split_tokens, block_table_stride,
+                          target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
                           PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                          BLOCK_SPLITS: tl.constexpr, CSR: tl.constexpr):
+                          BLOCK_SPLITS: tl.constexpr, CSR: tl.constexpr, ADAPTIVE: tl.constexpr):
     """Program b: row b's meta (seq_len, page start, partial slot or -1) and its tasks.
 
     CSR: seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without pages), page
-    start = indptr[b]; else seq_len = lens[b], page start = b * block_table_stride. Tasks
-    (row, split) for split < cdiv(seq_len, split_tokens) go at the exclusive prefix sum of the
-    rows' split counts; program 0 writes their total to num_tasks. Grid: (num_rows,).
+    start = indptr[b]; else seq_len = lens[b], page start = b * block_table_stride.
+    Split size: fixed_split_tokens, or with ADAPTIVE the host's rule (schedule.default_split_pages)
+    on the step's own lengths: the tokens shared out as target_tasks tasks per KV head, each at
+    least min_split_tokens; whole rows when at least whole_row_min_rows rows are active and no
+    row is longer than whole_row_slack x that share; rounded up to whole pages.
+    Tasks (row, split) for split < cdiv(seq_len, split) go at the exclusive prefix sum of the
+    rows' split counts; program 0 writes (task count, split tokens) to plan_info.
+    Grid: (num_rows,).
     """
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_ROWS)
@@ -29,6 +35,17 @@ def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, n
         lens = tl.where(hi > lo, (hi - lo - 1) * PAGE_SIZE + last, 0)
     else:
         lens = tl.load(lens_ptr + offs, mask=in_batch, other=0)
+    if ADAPTIVE:
+        total = tl.sum(lens, axis=0)
+        max_len = tl.max(lens, axis=0)
+        active = tl.sum((lens > 0).to(tl.int32), axis=0)
+        split_tokens = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks))
+        if (active >= whole_row_min_rows) & (max_len.to(tl.float32)
+                                             <= whole_row_slack * split_tokens.to(tl.float32)):
+            split_tokens = max_len
+        split_tokens = tl.maximum(tl.cdiv(split_tokens, PAGE_SIZE), 1) * PAGE_SIZE
+    else:
+        split_tokens = fixed_split_tokens
     splits = tl.cdiv(lens, split_tokens)                                     # [BLOCK_ROWS], 0 if inactive
     first_task = tl.cumsum(splits, axis=0) - splits
     partial_slots = tl.where(splits > 1, splits, 0)
@@ -51,4 +68,5 @@ def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, n
         tl.store(tasks_ptr + my_first + split, row + split * 0, mask=ok)
         tl.store(tasks_ptr + task_capacity + my_first + split, split, mask=ok)
     if row == 0:
-        tl.store(num_tasks_ptr, tl.sum(splits, axis=0))
+        tl.store(plan_info_ptr, tl.sum(splits, axis=0))
+        tl.store(plan_info_ptr + 1, split_tokens)
