@@ -11,6 +11,7 @@ Host time per call (median of 300) for a torch add_ on 1K floats, an empty Trito
 with the host planner (page table on the device; lengths on the host) and the GPU planner.
 Run: PYTHONPATH=src python scripts/probe_fixed_cost.py > probe.json
 """
+import dataclasses
 import json
 import statistics
 import sys
@@ -105,6 +106,32 @@ def graph_mode_step(seq_lens, hq=32, hkv=8, d=128, page=16):
     return w, q, caches, out, lambda: w.plan(**kwargs)
 
 
+def run_pieces(host: dict) -> None:
+    """Where run()'s host time goes: its argument signature, the output allocation, the bound
+    launch, and the compiled launcher called with every argument already an int."""
+    from persistentkv.wrapper import _signature
+
+    w, q, caches, out = decode_step([1024])
+    w.run(q, caches[0], out=out)
+    (launch,) = w._prepared.values()
+    kv = caches[0]
+    host["run() piece: argument signature"] = host_us(
+        lambda: (_signature(q), _signature(out), False, _signature(kv)))
+    host["run() piece: torch.empty_like(q)"] = host_us(
+        lambda: torch.empty_like(q, memory_format=torch.contiguous_format))
+    host["run() piece: bound launch"] = host_us(lambda: launch(q, kv, kv, out, out))
+    run, g0, g1, g2, function, metadata = launch.direct
+    args = (q.data_ptr(), kv.data_ptr(), kv.data_ptr(), out.data_ptr(), out.data_ptr(), *launch.trailing)
+    stream = torch.cuda.current_stream().cuda_stream
+    host["run() piece: compiled launcher, int arguments"] = host_us(
+        lambda: run(g0, g1, g2, stream, function, metadata, None, None, None, *args))
+    c_launch = getattr(run, "launch", None)
+    if c_launch is not None:
+        host["run() piece: Triton's C launch alone"] = host_us(
+            lambda: c_launch(g0, g1, g2, stream, function, 0, 0, None, None, metadata, None, None,
+                             None, *args))
+
+
 def main():
     x = torch.zeros(1024, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -131,6 +158,17 @@ def main():
         r["device_us"][name] = graph_us(lambda i: w.run(q, caches[i % len(caches)], out=out))
     r["host_us"]["torch add_ 1K"] = host_us(lambda: x.add_(1.0))
     r["host_us"]["empty triton kernel[grid]"] = host_us(lambda: empty_kernel[(1,)](x, 1))
+    for name, lens, grid in (("B1 128K", [131072], 528), ("B8 32K", [32768] * 8, 528)):
+        w, q, caches, out = decode_step(lens, backend="workqueue")
+        natural = w.plan_info.schedule.grid[0]
+        r["device_us"][f"host work-queue {name}, grid {natural}"] = graph_us(
+            lambda i: w.run(q, caches[i % len(caches)], out=out))
+        plan = w.plan_info
+        w._plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, grid=(grid,)))
+        w._prepared = {}
+        r["device_us"][f"host work-queue {name}, grid {grid}"] = graph_us(
+            lambda i: w.run(q, caches[i % len(caches)], out=out))
+    run_pieces(r["host_us"])
     for name, lens in (("run() B1", [1024]), ("run() B8", [1024] * 8), ("run() B128", [1024] * 128)):
         w, q, caches, out = decode_step(lens)
         r["host_us"][name + " out=given"] = host_us(lambda: w.run(q, caches[0], out=out))
@@ -140,7 +178,8 @@ def main():
             r["host_us"][f"plan() {name}, {label}"] = host_us(lambda: kwargs["wrapper"].plan(
                 **{k: v for k, v in kwargs.items() if k != "wrapper"}), reps=100)
     for name, lens in (("B1 1K", [1024]), ("B8 1K", [1024] * 8), ("B1 8K", [8192]),
-                       ("B1 32K", [32768]), ("B32 8K", [8192] * 32)):
+                       ("B1 32K", [32768]), ("B32 8K", [8192] * 32), ("B1 128K", [131072]),
+                       ("B8 32K", [32768] * 8)):
         w, q, caches, out, plan = graph_mode_step(lens)
         r["device_us"][f"graph mode {name} (1 GPU plan + 32 layers, per layer)"] = graph_us(
             lambda i: (i == 0 and plan(), w.run(q, caches[i % len(caches)], out=out)))

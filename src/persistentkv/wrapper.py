@@ -302,7 +302,9 @@ class DecodeWrapper:
                 grid=(max_b,), key=key, fixed=fixed, constexprs=constexprs, num_warps=4,
                 num_stages=3, device_index=device.index)
         launch(*leading)
-        programs = config.programs_per_sm * sms
+        # no more programs than (task, KV head) pairs the buffers can hold: a program that can never
+        # get a task would still take a slot on an SM
+        programs = min(config.programs_per_sm * sms, capacity * num_kv_heads)
         schedule = Schedule(backend="workqueue", split_pages=split_pages or 0,
                             split_tokens=split_tokens,
                             meta=np.zeros((3, 0), np.int32), tasks=np.zeros((2, 0), np.int32),
