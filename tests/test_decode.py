@@ -213,6 +213,46 @@ def test_every_call_reads_its_own_pointers(as_pair):
             check(case, wrapper, out, lse)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the direct launch exists only for compiled kernels; the "
+                                       "interpreter always takes Triton's own path")
+def test_gpu_later_launches_skip_tritons_binding_unless_hooked():
+    """The first launch of a specialization goes through kernel[grid]; later ones, and those of a
+    new plan with the same specialization, call the compiled launcher directly; a registered
+    launch hook (a profiler) sends them back through Triton's path, which calls it."""
+    from triton import knobs
+
+    def case_for(seed):
+        return make_case(seq_lens=[300, 7, 129], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                         page_size=16, seed=seed)
+
+    wrapper, heads = DecodeWrapper("NHD"), dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    first = case_for(1)
+    wrapper.plan(**csr_kwargs(first.table), **heads)
+    wrapper.run(first.q, first.kv_cache)
+
+    class NoBinding:
+        arg_names = wrapper._launcher.kernel.arg_names
+
+        def __getitem__(self, grid):
+            raise AssertionError("launched through kernel[grid]")
+
+    kernel, wrapper._launcher.kernel = wrapper._launcher.kernel, NoBinding()
+    for seed in (2, 3):
+        case = case_for(seed)
+        wrapper.plan(**csr_kwargs(case.table), **heads)
+        check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+    wrapper._launcher.kernel = kernel
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen
+
+
 def test_checks_still_run_after_a_cached_signature():
     case = make_case(seq_lens=[30, 50], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     wrapper = DecodeWrapper("NHD")

@@ -92,3 +92,21 @@ def test_plan_auto_runs_the_policy_choice(form):
     assert plan.schedule.backend == "workqueue" and plan.schedule.split_pages == 2
     ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
     assert relative_error(wrapper.run(case.q, case.kv_cache), ref) <= TOLERANCE[torch.float16]
+
+
+def test_plan_auto_runs_a_graph_mode_choice_as_the_work_queue():
+    """The policy may pick pkv-graph (the work-queue with the default split, planned on the GPU);
+    plan(backend="auto") on the host runs the same schedule, planned on the host."""
+    lens = [300, 20, 90]
+    case = make_case(seq_lens=lens, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    key = StepFeatures.of(lens, **FEATS).bin()
+    policy = Policy(gpu="cpu", table={key: Choice("pkv-graph")}, pkv_table={key: Choice("pkv-graph")})
+    wrapper = DecodeWrapper("NHD", policy=policy)
+    plan = wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                        page_size=16, backend="auto")
+    default = DecodeWrapper("NHD").plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2,
+                                        head_dim=64, page_size=16, backend="workqueue")
+    assert plan.schedule.backend == "workqueue"
+    assert plan.schedule.split_pages == default.schedule.split_pages
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+    assert relative_error(wrapper.run(case.q, case.kv_cache), ref) <= TOLERANCE[torch.float16]

@@ -19,6 +19,14 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (   # what
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
+def _hooked() -> bool:
+    """A profiler (or anything else) has registered a launch hook with Triton: launches then go
+    through Triton's own path, which calls the hooks. Triton 3.6 keeps the hooks in a HookChain
+    (never None); an older Triton in a plain attribute."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
+
+
 class Launcher:
     """The compiled specializations of one kernel, shared by every BoundLaunch of it."""
 
@@ -58,10 +66,10 @@ class BoundLaunch:
 
     def __call__(self, *leading: torch.Tensor) -> None:
         direct = self.direct
-        if direct is not None and knobs.runtime.launch_enter_hook is None:
+        if direct is not None and not _hooked():
             run, g0, g1, g2, function, metadata = direct
-            run(g0, g1, g2, _raw_stream(self.device_index), function, metadata, None, None,
-                knobs.runtime.launch_exit_hook, *[t.data_ptr() for t in leading], *self.trailing)
+            run(g0, g1, g2, _raw_stream(self.device_index), function, metadata, None, None, None,
+                *[t.data_ptr() for t in leading], *self.trailing)
             return
         # Triton's own path: the first call of a specialization, the interpreter, or a profiler's
         # launch hook. The direct call passes arguments by position: they must follow the signature.

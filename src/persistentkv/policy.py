@@ -19,8 +19,9 @@ import numpy as np
 
 CALIBRATION_SEEDS = (1, 2)                 # trace seeds the policy is fitted on
 HELD_OUT_SEEDS = (100,)                   # trace seeds it is judged on (never seen in the fit)
-CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-workqueue", "pkv-split@16", "pkv-split@64",
-              "pkv-workqueue@16", "pkv-workqueue@64", "fi-cuda-core", "fi-tensor-core", "fi-xqa")
+CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-workqueue", "pkv-graph", "pkv-split@16",
+              "pkv-split@64", "pkv-workqueue@16", "pkv-workqueue@64", "fi-cuda-core",
+              "fi-tensor-core", "fi-xqa")
 ROW_EDGES = (1, 4, 8, 32)                 # bins: 1 | 2-4 | 5-8 | 9-32 | >32 rows
 MAX_LEN_EDGES = (2048, 8192, 32768)       # bins: <=2K | <=8K | <=32K | >32K tokens
 SPREAD_EDGES = (2.0,)                     # bins: even (max/mean <= 2) | skewed

@@ -15,7 +15,9 @@ class KernelConfig:
     block_n: tokens per K/V tile; num_warps, num_stages: Triton's launch options (num_stages is the
     software-pipelining depth of the token loop); waves: target (row, KV head, split) tasks per SM
     when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
-    programs_per_sm: persistent programs per SM for the work-queue.
+    programs_per_sm: persistent programs per SM for the work-queue: no more than fit on an SM at
+    once (3 with the default tile, 70 KB of shared memory each), so that every program starts at
+    once and none waits for a slot while others idle.
     """
 
     block_n: int = 64
@@ -23,7 +25,7 @@ class KernelConfig:
     num_stages: int = 3
     waves: float = 2.0
     min_split_tokens: int = 128
-    programs_per_sm: int = 4
+    programs_per_sm: int = 3
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm"):

@@ -195,6 +195,8 @@ class DecodeWrapper:
             choice = self._choose(lens, device=device, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                   page_size=page_size, group=num_qo_heads // num_kv_heads)
             backend = choice.backend.removeprefix("pkv-")
+            if backend == "graph":   # the work-queue with the default split, planned on the GPU
+                backend = "workqueue"
             if split_pages is None:
                 split_pages = choice.split_pages
         schedule = build_schedule(lens, starts, backend=backend, page_size=page_size,
