@@ -43,6 +43,21 @@ def test_fit_picks_the_lowest_total_per_bin_and_the_best_persistentkv():
         fit_policy(steps, gpu="X", objective="p50")
 
 
+def test_fit_breaks_near_ties_by_the_other_mode():
+    """Within tie_tolerance of the best graph time the cheaper eager step wins; a candidate past
+    the tolerance does not, however cheap in eager mode."""
+    def step(key, choice, graph, eager):
+        return {**_step(key, "b0", choice, graph), "eager_us": eager}
+
+    steps = [step("a", "pkv-split", 100, 900), step("a", "pkv-graph", 101, 300),
+             step("a", "fi-xqa", 104, 100), step("b", "pkv-split", 100, 900),
+             step("b", "pkv-graph", 101, 300), step("b", "fi-xqa", 104, 100)]
+    policy = fit_policy(steps, gpu="X")
+    assert policy.table["b0"] == Choice("pkv-graph")          # 1% slower in graphs, 3x cheaper eager
+    assert fit_policy(steps, gpu="X", tie_tolerance=0.0).table["b0"] == Choice("pkv-split")
+    assert fit_policy(steps, gpu="X", tie_tolerance=0.05).table["b0"] == Choice("fi-xqa")
+
+
 def test_json_round_trip_and_bad_files(tmp_path):
     policy = Policy(gpu="X", table={"r0-l0-s0": Choice("fi-xqa")},
                     pkv_table={"r0-l0-s0": Choice("pkv-split", 8)}, fit={"seeds": [1]})

@@ -141,34 +141,49 @@ def load_policy(gpu_name: str, path: str | Path | None = None) -> Policy:
 
 
 def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
-               info: dict | None = None) -> Policy:
+               tie_tolerance: float = 0.02, info: dict | None = None) -> Policy:
     """Decision table from measured steps.
 
     steps: one dict per (step, candidate) with 'bin' (StepFeatures.bin of the step), 'step_key'
-    (unique per step), 'choice' (Choice.label), 'backend', 'split_pages', 'status' and the
-    objective (us, lower is better). In each bin the candidate with the lowest total over the bin's
-    steps wins, among candidates measured (status ok) on every one of those steps.
+    (unique per step), 'choice' (Choice.label), 'backend', 'split_pages', 'status', 'graph_us' and
+    'eager_us' (us, lower is better). In each bin the candidate with the lowest total objective
+    over the bin's steps wins, among candidates measured (status ok) on every one of those steps;
+    candidates within tie_tolerance of that total count as tied, and the tie goes to the lowest
+    total of the other mode's time (with the graph objective: the one whose plan() costs the host
+    least in eager mode, e.g. the GPU-planned work-queue over an equal host-planned one).
     """
     if objective not in ("graph_us", "eager_us"):
         raise ValueError(f"objective must be 'graph_us' or 'eager_us', got {objective!r}")
+    other = "eager_us" if objective == "graph_us" else "graph_us"
     by_bin: dict[str, dict[str, list]] = {}
     choices: dict[str, Choice] = {}
     for s in steps:
         choices[s["choice"]] = Choice(s["backend"], s.get("split_pages"))
         entry = by_bin.setdefault(s["bin"], {}).setdefault(s["choice"], [])
-        entry.append(s[objective] if s["status"] == "ok" else float("inf"))
+        ok = s["status"] == "ok"
+        entry.append((s[objective] if ok else float("inf"),
+                      s.get(other, float("inf")) if ok else float("inf")))
     table, pkv_table, counts = {}, {}, {}
     for bin_key, per_choice in sorted(by_bin.items()):
         n = max(len(v) for v in per_choice.values())
-        totals = {c: sum(v) for c, v in per_choice.items() if len(v) == n}
-        ranked = sorted((t, c) for c, t in totals.items() if t < float("inf"))
+        totals = {c: (sum(t for t, _ in v), sum(o for _, o in v))
+                  for c, v in per_choice.items() if len(v) == n}
+        ranked = sorted((t, c) for c, (t, _) in totals.items() if t < float("inf"))
         if not ranked:
             continue
-        table[bin_key] = choices[ranked[0][1]]
+
+        def pick(names: list[str]) -> str:
+            best = min(totals[c][0] for c in names)
+            tied = [c for c in names if totals[c][0] <= best * (1 + tie_tolerance)]
+            return min(tied, key=lambda c: (totals[c][1], totals[c][0], c))
+
+        winner = pick([c for _, c in ranked])
+        table[bin_key] = choices[winner]
         pkv = [c for _, c in ranked if c.startswith("pkv-")]
         if pkv:
-            pkv_table[bin_key] = choices[pkv[0]]
-        counts[bin_key] = {"steps": n, "best": ranked[0][1],
-                           "median_us": statistics.median(per_choice[ranked[0][1]])}
+            pkv_table[bin_key] = choices[pick(pkv)]
+        counts[bin_key] = {"steps": n, "best": winner,
+                           "median_us": statistics.median(t for t, _ in per_choice[winner])}
     return Policy(gpu=gpu, table=table, pkv_table=pkv_table,
-                  fit={**(info or {}), "objective": objective, "bins": counts})
+                  fit={**(info or {}), "objective": objective, "tie_tolerance": tie_tolerance,
+                       "bins": counts})
