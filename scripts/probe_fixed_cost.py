@@ -58,9 +58,7 @@ def decode_step(seq_lens, *, split_pages=None, backend="split", hq=32, hkv=8, d=
     pools = max(1, min(32, -(-256 * 2**20 // (num_pages * 2 * hkv * page * d * 2))))
     caches = [torch.randn(num_pages, 2, hkv, page, d, dtype=torch.float16, device="cuda")
               for _ in range(pools)]
-    indices = torch.randperm(num_pages, device="cuda")[:sum(pages)].int()
-    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    last = torch.tensor([(n - 1) % page + 1 for n in seq_lens], dtype=torch.int32, device="cuda")
+    indptr, indices, last = page_table(seq_lens, page)
     q = torch.randn(len(seq_lens), hq, d, dtype=torch.float16, device="cuda")
     w = DecodeWrapper("HND")
     w.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, num_qo_heads=hq,

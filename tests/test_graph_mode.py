@@ -47,36 +47,43 @@ def _cache(seed=0):
                         init="randn", layout="HND", page_size=16, num_kv_heads=2, head_dim=64)
 
 
+def _hold_only(cache, lens):
+    """The cache holds rows 0.. of lengths `lens` and nothing else; returns its page table."""
+    for sid in list(cache.allocator.sequence_ids):
+        cache.free_sequence(sid)
+    for i, n in enumerate(lens):
+        cache.add_sequence(i)
+        cache.append_tokens(i, n)
+    return cache.page_table()
+
+
+def _check_rows(q, out, cache, table, step):
+    """The table's rows of out against the float64 reference."""
+    b = table.batch_size
+    ref, _ = reference_decode(q[:b], cache.pools[0], layout="HND", **dict(zip(
+        ("kv_indptr", "kv_indices", "kv_last_page_len"), table.csr(DEVICE))))
+    assert relative_error(out[:b], ref) <= TOLERANCE[torch.float16], step
+
+
 @pytest.mark.parametrize("form", ["csr", "block"])
 def test_device_plan_matches_reference_as_the_batch_changes(form):
     cache, static = _cache(), StaticTable()
     wrapper = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
     q = torch.randn(MAX_B, 8, 64, dtype=torch.float16, device=DEVICE)
     for step, lens in enumerate([[40], [300, 7, 64], [1, 2, 3, 500]]):
-        for sid in list(cache.allocator.sequence_ids):
-            cache.free_sequence(sid)
-        for i, n in enumerate(lens):
-            cache.add_sequence(i)
-            cache.append_tokens(i, n)
-        table = cache.page_table()
+        table = _hold_only(cache, lens)
         static.fill(table)
         wrapper.plan(**static.kwargs(form), **HEADS, split_pages=2)
         out = torch.full_like(q, float("nan"))
         wrapper.run(q, cache.pools[0], out=out)
-        b = len(lens)
-        ref, _ = reference_decode(q[:b], cache.pools[0], layout="HND", **dict(zip(
-            ("kv_indptr", "kv_indices", "kv_last_page_len"), table.csr(DEVICE))))
-        assert relative_error(out[:b], ref) <= TOLERANCE[torch.float16], step
-        assert torch.isnan(out[b:].float()).all()          # inactive rows are left untouched
+        _check_rows(q, out, cache, table, step)
+        assert torch.isnan(out[len(lens):].float()).all()  # inactive rows are left untouched
         assert int(wrapper._counters.abs().sum()) == 0
 
 
 def _host_and_device_plans(lens, split_pages, seed=1):
     cache, static = _cache(seed), StaticTable()
-    for i, n in enumerate(lens):
-        cache.add_sequence(i)
-        cache.append_tokens(i, n)
-    static.fill(cache.page_table())
+    static.fill(_hold_only(cache, lens))
     device = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
     plan = device.plan(**static.kwargs("csr"), **HEADS, split_pages=split_pages)
     host = DecodeWrapper("HND").plan(**dict(zip(("kv_indptr", "kv_indices", "kv_last_page_len"),
@@ -117,21 +124,13 @@ def test_replan_with_the_same_tables_reruns_only_the_planner():
     other = StaticTable()
     for step, (lens, table_set, split) in enumerate([([40, 9], static, None), ([300, 1], static, None),
                                                      ([64], other, None), ([200, 30, 5], other, 3)]):
-        for sid in list(cache.allocator.sequence_ids):
-            cache.free_sequence(sid)
-        for i, n in enumerate(lens):
-            cache.add_sequence(i)
-            cache.append_tokens(i, n)
-        table = cache.page_table()
+        table = _hold_only(cache, lens)
         table_set.fill(table)
         plan = wrapper.plan(**table_set.kwargs("csr"), **HEADS, split_pages=split)
         assert plan.indices is table_set.indices
         out = torch.full_like(q, float("nan"))
         wrapper.run(q, cache.pools[0], out=out)
-        b = len(lens)
-        ref, _ = reference_decode(q[:b], cache.pools[0], layout="HND", **dict(zip(
-            ("kv_indptr", "kv_indices", "kv_last_page_len"), table.csr(DEVICE))))
-        assert relative_error(out[:b], ref) <= TOLERANCE[torch.float16], step
+        _check_rows(q, out, cache, table, step)
     with pytest.raises(ValueError, match="num_qo_heads=7 must be a multiple"):
         wrapper.plan(**other.kwargs("csr"), **{**HEADS, "num_qo_heads": 7}, split_pages=3)
 

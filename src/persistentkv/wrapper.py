@@ -82,7 +82,6 @@ class DecodeWrapper:
         self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
         self._graph_buffers: dict[str, torch.Tensor] = {}
         self._planner = Launcher(plan_workqueue_kernel)
-        self._plan_launches: dict[tuple, BoundLaunch] = {}   # bound to the graph buffers
         self._graph_memo: _GraphMemo | None = None
         self._plan: DecodePlan | None = None
         self._part_o = torch.empty(0)
@@ -288,9 +287,9 @@ class DecodeWrapper:
             bufs.update(meta=torch.zeros(3, max_b, dtype=torch.int32, device=device),
                         tasks=torch.zeros(2, capacity, dtype=torch.int32, device=device),
                         plan_info=torch.zeros(2, dtype=torch.int32, device=device))
-            self._plan_launches.clear()
         self._reserve_workspace(capacity * num_qo_heads, head_dim, max_b * num_kv_heads, device)
-        # one launch of the GPU planner; everything but the page-table tensors is bound once
+        # one launch of the GPU planner, with everything but the page-table tensors bound (a key
+        # compiled before launches directly; _graph_replan reuses this launch)
         fixed = (bufs["meta"], bufs["tasks"], bufs["plan_info"], max_b, capacity, split_tokens,
                  row_stride, target_tasks, config.min_split_tokens,
                  whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sms), WHOLE_ROW_SLACK)
@@ -298,15 +297,13 @@ class DecodeWrapper:
                           BLOCK_SPLITS=32, CSR=is_csr, ADAPTIVE=adaptive)
         leading = (kv_indptr, kv_last_page_len, lens_src)
         key = (*fixed[3:], *constexprs.values(), device.index, *(t.data_ptr() % 16 for t in leading))
-        launch = self._plan_launches.get(key)
-        if launch is None:
-            launch = self._plan_launches[key] = self._planner.bind(
-                grid=(max_b,), key=key, fixed=fixed, constexprs=constexprs, num_warps=4,
-                num_stages=3, device_index=device.index)
+        launch = self._planner.bind(grid=(max_b,), key=key, fixed=fixed, constexprs=constexprs,
+                                    num_warps=4, num_stages=3, device_index=device.index)
         launch(*leading)
         # no more programs than (task, KV head) pairs the buffers can hold: a program that can never
         # get a task would still take a slot on an SM
         programs = min(config.programs_per_sm * sms, capacity * num_kv_heads)
+        # split_pages and split_tokens 0: chosen per step on the GPU (plan_info holds them)
         schedule = Schedule(backend="workqueue", split_pages=split_pages or 0,
                             split_tokens=split_tokens,
                             meta=np.zeros((3, 0), np.int32), tasks=np.zeros((2, 0), np.int32),
