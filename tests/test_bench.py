@@ -118,8 +118,9 @@ def test_functional_calibrate_then_evaluate(tmp_path):
                  "--backends", "pkv-split"]) == 0
     data = json.loads((tmp_path / "evaluate.json").read_text())
     (row,) = data["environment"]["evaluation"]
-    assert row["trace"] == "b2-bucketed/seed100" and sum(row["picks"].values()) == 2
-    assert {s["backend"] for s in data["steps"]} == {"pkv-split", "adaptive"}
+    assert row["trace"] == "b2-bucketed/seed100"
+    assert sum(row["picks_graph"].values()) == sum(row["picks_eager"].values()) == 2
+    assert {s["backend"] for s in data["steps"]} == {"pkv-split", "adaptive", "adaptive-eager"}
 
 
 def test_report_draws_the_speedup_over_flashinfer(tmp_path):

@@ -56,15 +56,37 @@ def test_fit_breaks_near_ties_by_the_other_mode():
     assert policy.table["b0"] == Choice("pkv-graph")          # 1% slower in graphs, 3x cheaper eager
     assert fit_policy(steps, gpu="X", tie_tolerance=0.0).table["b0"] == Choice("pkv-split")
     assert fit_policy(steps, gpu="X", tie_tolerance=0.05).table["b0"] == Choice("fi-xqa")
+    assert policy.eager_table["b0"] == Choice("fi-xqa")        # by eager time: 200 against 600
+
+
+def test_decide_by_mode():
+    """mode="eager" reads the eager table, falling back to the graph table, then to the rule."""
+    even = StepFeatures.of([1000] * 4, **FEATS)
+    skewed = StepFeatures.of([100, 100, 100, 9000], **FEATS)
+    policy = Policy(gpu="X", table={even.bin(): Choice("fi-xqa"), skewed.bin(): Choice("pkv-split")},
+                    pkv_table={even.bin(): Choice("pkv-split")},
+                    eager_table={even.bin(): Choice("pkv-graph")})
+    assert policy.decide(even) == Choice("fi-xqa")
+    assert policy.decide(even, mode="eager") == Choice("pkv-graph")
+    assert policy.decide(skewed, mode="eager") == Choice("pkv-split")
+    assert policy.decide(even, mode="eager", pkv_only=True) == Choice("pkv-split")
+    other = StepFeatures.of([5] * 200, **FEATS)
+    assert policy.decide(other, mode="eager") == fallback_choice(other)
+    with pytest.raises(ValueError, match="mode must be"):
+        policy.decide(even, mode="replay")
 
 
 def test_json_round_trip_and_bad_files(tmp_path):
     policy = Policy(gpu="X", table={"r0-l0-s0": Choice("fi-xqa")},
-                    pkv_table={"r0-l0-s0": Choice("pkv-split", 8)}, fit={"seeds": [1]})
+                    pkv_table={"r0-l0-s0": Choice("pkv-split", 8)},
+                    eager_table={"r0-l0-s0": Choice("pkv-graph")}, fit={"seeds": [1]})
     path = tmp_path / "p.json"
     policy.save(path)
     again = load_policy("X", path)
-    assert again.table == policy.table and again.pkv_table == policy.pkv_table
+    assert (again.table, again.pkv_table, again.eager_table) == (
+        policy.table, policy.pkv_table, policy.eager_table)
+    path.write_text('{"gpu": "X", "table": {}, "pkv_table": {}}')    # a file from before eager_table
+    assert load_policy("X", path).eager_table == {}
     path.write_text('{"gpu": "X"}')
     with pytest.raises(ValueError, match="not a policy file"):
         load_policy("X", path)

@@ -89,17 +89,28 @@ def fallback_choice(features: StepFeatures) -> Choice:
 
 @dataclass
 class Policy:
-    """table: bin -> best Choice overall; pkv_table: bin -> best PersistentKV Choice (what
+    """table: bin -> best Choice overall (fitted on the objective, graph-mode time by default);
+    eager_table: bin -> best Choice by eager time (the host's plan() and run() included), for a
+    serving loop without CUDA graphs; pkv_table: bin -> best PersistentKV Choice (what
     `plan(backend="auto")` can run without FlashInfer)."""
 
     gpu: str
     table: dict[str, Choice] = field(default_factory=dict)
     pkv_table: dict[str, Choice] = field(default_factory=dict)
+    eager_table: dict[str, Choice] = field(default_factory=dict)
     fit: dict = field(default_factory=dict)     # how it was fitted: traces, seeds, objective, counts
 
-    def decide(self, features: StepFeatures, *, pkv_only: bool = False) -> Choice:
-        table = self.pkv_table if pkv_only else self.table
-        choice = table.get(features.bin())
+    def decide(self, features: StepFeatures, *, pkv_only: bool = False,
+               mode: str = "graph") -> Choice:
+        """mode: "graph" (steps replayed from CUDA graphs) or "eager"; a bin the eager table does
+        not hold falls back to the graph table, then to fallback_choice."""
+        if mode not in ("graph", "eager"):
+            raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
+        key = features.bin()
+        if pkv_only:
+            choice = self.pkv_table.get(key)
+        else:
+            choice = (self.eager_table.get(key) if mode == "eager" else None) or self.table.get(key)
         return choice if choice is not None else fallback_choice(features)
 
     # -- JSON ------------------------------------------------------------------------------------
@@ -107,6 +118,7 @@ class Policy:
         return json.dumps({"gpu": self.gpu,
                            "table": {k: asdict(v) for k, v in sorted(self.table.items())},
                            "pkv_table": {k: asdict(v) for k, v in sorted(self.pkv_table.items())},
+                           "eager_table": {k: asdict(v) for k, v in sorted(self.eager_table.items())},
                            "fit": self.fit}, indent=1) + "\n"
 
     @classmethod
@@ -116,6 +128,8 @@ class Policy:
             return cls(gpu=data["gpu"],
                        table={k: Choice(**v) for k, v in data["table"].items()},
                        pkv_table={k: Choice(**v) for k, v in data["pkv_table"].items()},
+                       eager_table={k: Choice(**v)
+                                    for k, v in data.get("eager_table", {}).items()},
                        fit=data.get("fit", {}))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a policy file: {exc}") from None
@@ -150,40 +164,47 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
     over the bin's steps wins, among candidates measured (status ok) on every one of those steps;
     candidates within tie_tolerance of that total count as tied, and the tie goes to the lowest
     total of the other mode's time (with the graph objective: the one whose plan() costs the host
-    least in eager mode, e.g. the GPU-planned work-queue over an equal host-planned one).
+    least in eager mode, e.g. the GPU-planned work-queue over an equal host-planned one). The
+    eager table is fitted the same way on eager time.
     """
     if objective not in ("graph_us", "eager_us"):
         raise ValueError(f"objective must be 'graph_us' or 'eager_us', got {objective!r}")
-    other = "eager_us" if objective == "graph_us" else "graph_us"
+    modes = ("graph_us", "eager_us")
     by_bin: dict[str, dict[str, list]] = {}
     choices: dict[str, Choice] = {}
     for s in steps:
         choices[s["choice"]] = Choice(s["backend"], s.get("split_pages"))
         entry = by_bin.setdefault(s["bin"], {}).setdefault(s["choice"], [])
         ok = s["status"] == "ok"
-        entry.append((s[objective] if ok else float("inf"),
-                      s.get(other, float("inf")) if ok else float("inf")))
-    table, pkv_table, counts = {}, {}, {}
+        entry.append({m: s.get(m, float("inf")) if ok else float("inf") for m in modes})
+    table, pkv_table, eager_table, counts = {}, {}, {}, {}
     for bin_key, per_choice in sorted(by_bin.items()):
         n = max(len(v) for v in per_choice.values())
-        totals = {c: (sum(t for t, _ in v), sum(o for _, o in v))
+        totals = {c: {m: sum(x[m] for x in v) for m in modes}
                   for c, v in per_choice.items() if len(v) == n}
-        ranked = sorted((t, c) for c, (t, _) in totals.items() if t < float("inf"))
-        if not ranked:
+
+        def pick(names: list[str], by: str) -> str | None:
+            """Lowest total of `by`; near ties go to the lowest total of the other mode."""
+            names = [c for c in names if totals[c][by] < float("inf")]
+            if not names:
+                return None
+            other = modes[1 - modes.index(by)]
+            best = min(totals[c][by] for c in names)
+            tied = [c for c in names if totals[c][by] <= best * (1 + tie_tolerance)]
+            return min(tied, key=lambda c: (totals[c][other], totals[c][by], c))
+
+        winner = pick(list(totals), objective)
+        if winner is None:
             continue
-
-        def pick(names: list[str]) -> str:
-            best = min(totals[c][0] for c in names)
-            tied = [c for c in names if totals[c][0] <= best * (1 + tie_tolerance)]
-            return min(tied, key=lambda c: (totals[c][1], totals[c][0], c))
-
-        winner = pick([c for _, c in ranked])
         table[bin_key] = choices[winner]
-        pkv = [c for _, c in ranked if c.startswith("pkv-")]
-        if pkv:
-            pkv_table[bin_key] = choices[pick(pkv)]
-        counts[bin_key] = {"steps": n, "best": winner,
-                           "median_us": statistics.median(t for t, _ in per_choice[winner])}
-    return Policy(gpu=gpu, table=table, pkv_table=pkv_table,
+        pkv = pick([c for c in totals if c.startswith("pkv-")], objective)
+        if pkv is not None:
+            pkv_table[bin_key] = choices[pkv]
+        eager = pick(list(totals), "eager_us")
+        if eager is not None:
+            eager_table[bin_key] = choices[eager]
+        counts[bin_key] = {"steps": n, "best": winner, "best_eager": eager,
+                           "median_us": statistics.median(x[objective] for x in per_choice[winner])}
+    return Policy(gpu=gpu, table=table, pkv_table=pkv_table, eager_table=eager_table,
                   fit={**(info or {}), "objective": objective, "tie_tolerance": tie_tolerance,
                        "bins": counts})

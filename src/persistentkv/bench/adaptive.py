@@ -18,6 +18,8 @@ from .runner import Measured, ModelShape, RunOptions, functional_setup, run_trac
 from .suite import FUNCTIONAL_PARAMS, TRACE_SUITE, TraceSpec
 from .traces import make_trace
 
+ADAPTIVE_NAMES = ("adaptive", "adaptive-eager")   # the policy with its graph and eager tables
+
 # Calibration and evaluation replay the same trace families, at different seeds: the benchmark's
 # suite (1-8 rows) and two large batches, so that the policy has seen steps of 9+ rows.
 POLICY_TRACES = TRACE_SUITE + (TraceSpec("uniform", 32, 64), TraceSpec("zipf", 128, 256))
@@ -102,17 +104,20 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
 
 def evaluation_table(summary: list[dict], measured: list[Measured]) -> list[dict]:
     """Per trace, like the paper's table: FlashInfer's best, the best fixed backend, the adaptive
-    policy, their ratios in eager and graph mode, and how often the policy picked each backend."""
+    policy, their ratios in eager and graph mode, and how often the policy picked each backend.
+    In eager mode the policy is `adaptive-eager` (its eager table) when it was measured."""
     rows = []
     for m in measured:
         mine = {r["backend"]: r for r in summary if r["case"] == m.name and r["status"] == "ok"}
-        adaptive, fi = mine.get("adaptive"), mine.get(FI_BEST)
-        fixed = [r for name, r in mine.items() if name not in ("adaptive", FI_BEST)]
-        if adaptive is None or not fixed:
+        fi = mine.get(FI_BEST)
+        fixed = [r for name, r in mine.items() if name not in (*ADAPTIVE_NAMES, FI_BEST)]
+        if "adaptive" not in mine or not fixed:
             continue
-        row = {"trace": m.name, "picks": dict(Counter(s["note"] for s in m.steps
-                                                      if s["backend"] == "adaptive"))}
+        row = {"trace": m.name}
         for mode in ("eager", "graph"):
+            name = "adaptive-eager" if mode == "eager" and "adaptive-eager" in mine else "adaptive"
+            adaptive = mine[name]
+            row[f"picks_{mode}"] = dict(Counter(s["note"] for s in m.steps if s["backend"] == name))
             key = f"tokens_per_s_{mode}"
             best = max(fixed, key=lambda r: r[key] if r[key] == r[key] else -1)
             row[f"adaptive_{mode}"] = adaptive[key]
@@ -134,10 +139,11 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
         print(f"skipping {name}: {why}")
     sms = torch.cuda.get_device_properties(device).multi_processor_count if not functional else 4
     # what the policy may pick beyond the fixed backends (split-size variants): built for it alone
-    picks = {c.label() for table in (policy.table, policy.pkv_table) for c in table.values()}
+    picks = {c.label() for table in (policy.table, policy.pkv_table, policy.eager_table)
+             for c in table.values()}
     extra, _ = make_backends(sorted(picks - {b.name for b in built}), layout=shape.layout,
                              device=device)
-    built.append(Adaptive(policy, built + extra, sm_count=sms))
+    built += [Adaptive(policy, built + extra, sm_count=sms, mode=mode) for mode in ("graph", "eager")]
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
     env.update(bandwidth_ceiling(device), bare_launch_us=bare_launch_us(device),
                policy={"gpu": policy.gpu, "fit": policy.fit}, seeds=list(seeds))
@@ -154,5 +160,6 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     for row in table:
         print(f"{row['trace']:<22} adaptive x FI best: eager {row['vs_fi_best_eager']:.2f} graph "
               f"{row['vs_fi_best_graph']:.2f}; x best fixed: eager {row['vs_best_fixed_eager']:.2f} "
-              f"graph {row['vs_best_fixed_graph']:.2f}; picks {row['picks']}")
+              f"graph {row['vs_best_fixed_graph']:.2f}; picks graph {row['picks_graph']}, "
+              f"eager {row['picks_eager']}")
     return table

@@ -136,12 +136,12 @@ class PersistentKVGraph(Backend):
 
 class Adaptive(Backend):
     """The adaptive policy: per step, the backend the policy picks among `backends` (by name, as
-    Choice.label gives it); PersistentKV's own pick when the policy's is not available here."""
+    Choice.label gives it); PersistentKV's own pick when the policy's is not available here.
+    mode: which of the policy's tables decides ("graph": `adaptive`, "eager": `adaptive-eager`)."""
 
-    name = "adaptive"
-
-    def __init__(self, policy, backends: list[Backend], *, sm_count: int):
-        self.policy, self.sm_count = policy, sm_count
+    def __init__(self, policy, backends: list[Backend], *, sm_count: int, mode: str = "graph"):
+        self.policy, self.sm_count, self.mode = policy, sm_count, mode
+        self.name = "adaptive" if mode == "graph" else f"adaptive-{mode}"
         self.by_name = {b.name: b for b in backends}
         self.last_choice = ""
 
@@ -152,7 +152,7 @@ class Adaptive(Backend):
                                    head_dim=step.head_dim, elem_size=step.pools[0].element_size(),
                                    sm_count=self.sm_count, page_size=step.page_size,
                                    group=step.num_qo_heads // step.num_kv_heads)
-        choice = self.policy.decide(features)
+        choice = self.policy.decide(features, mode=self.mode)
         if choice.label() not in self.by_name:
             choice = self.policy.decide(features, pkv_only=True)
         if choice.label() not in self.by_name:
