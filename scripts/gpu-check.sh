@@ -4,7 +4,7 @@
 # FlashInfer (with graph mode), the policy's calibration and held-out evaluation, the fixed-cost
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
-#   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|sweep ...]
+#   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it.
 set -uo pipefail
@@ -38,6 +38,8 @@ for step in $steps; do
                  > "$out/evaluate-log.txt" 2>&1; tail -8 "$out/evaluate-log.txt" ;;
     probe)     timeout 120 python3 scripts/probe_fixed_cost.py > "$out/probe-fixed-cost.json" 2>&1
                tail -30 "$out/probe-fixed-cost.json" ;;
+    dispatch)  timeout 60 python3 scripts/probe_dispatch.py > "$out/probe-dispatch.json" 2>&1
+               cat "$out/probe-dispatch.json" ;;
     sweep)     timeout 300 python3 -m persistentkv.cli sweep --out "$out/sweep.json" > "$out/sweep-log.txt" 2>&1
                tail -12 "$out/sweep-log.txt" ;;
     *)         echo "unknown step $step"; status=2 ;;

@@ -105,19 +105,27 @@ def graph_mode_step(seq_lens, hq=32, hkv=8, d=128, page=16):
 
 
 def run_pieces(host: dict) -> None:
-    """Where run()'s host time goes: its argument signature, the output allocation, the bound
-    launch, and the compiled launcher called with every argument already an int."""
-    from persistentkv.wrapper import _signature
-
+    """Where run()'s host time goes: its argument signature (with the data pointers), the output
+    allocation, the bound launch, and the compiled launcher called with every argument an int."""
     w, q, caches, out = decode_step([1024])
     w.run(q, caches[0], out=out)
     (launch,) = w._prepared.values()
     kv = caches[0]
-    host["run() piece: argument signature"] = host_us(
-        lambda: (_signature(q), _signature(out), False, _signature(kv)))
+    def signature():
+        qp, kp, op = q.data_ptr(), kv.data_ptr(), out.data_ptr()
+        return ((q.shape, q.dtype, q.device, q.stride(), qp % 16,
+                 kv.shape, kv.dtype, kv.device, kv.stride(), kp % 16, None,
+                 (out.shape, out.dtype, out.device, out.stride(), op % 16), False),
+                [qp, kp, kp, op, op])
+
+    host["run() piece: argument signature"] = host_us(signature)
     host["run() piece: torch.empty_like(q)"] = host_us(
         lambda: torch.empty_like(q, memory_format=torch.contiguous_format))
     host["run() piece: bound launch"] = host_us(lambda: launch(q, kv, kv, out, out))
+    pointers = [q.data_ptr(), kv.data_ptr(), kv.data_ptr(), out.data_ptr(), out.data_ptr()]
+    leading = (q, kv, kv, out, out)
+    host["run() piece: bound launch, pointers given"] = host_us(
+        lambda: launch.with_pointers(leading, pointers))
     run, g0, g1, g2, function, metadata = launch.direct
     args = (q.data_ptr(), kv.data_ptr(), kv.data_ptr(), out.data_ptr(), out.data_ptr(), *launch.trailing)
     stream = torch.cuda.current_stream().cuda_stream

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paged_case import ON_GPU
-from persistentkv.bench.backends import Backend, PersistentKV, PaddedSDPA, PerSequence
+from persistentkv.bench.backends import Backend, PersistentKV, PaddedSDPA, PerSequence, make_backends
 from persistentkv.bench.results import summarize
 from persistentkv.bench.runner import Measured, ModelShape, RunOptions, run_static, run_trace
 from persistentkv.bench.traces import make_trace
@@ -140,3 +140,14 @@ def test_report_draws_the_speedup_over_flashinfer(tmp_path):
     written = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert written == ["grid-bandwidth.png", "grid-throughput.png", "grid-vs-flashinfer.png"]
     assert all((tmp_path / "plots" / name).stat().st_size > 10_000 for name in written)
+
+
+def test_warp_count_variants_are_checked_like_the_defaults():
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    backends, _ = make_backends(["pkv-workqueue:w8", "pkv-split@2:w2"], layout="HND", device=device)
+    assert [b.name for b in backends] == ["pkv-workqueue:w8", "pkv-split@2:w2"]
+    measured = run_static("B2", [40, 90], backends, shape=SHAPE, opts=OPTS, device=device)
+    assert all(s["status"] == "ok" and s["error"] < 2e-3 for s in measured.steps)
+    assert backends[1].wrapper.plan_info.config.num_warps == 2
+    with pytest.raises(ValueError, match="pkv-split:w3"):
+        make_backends(["pkv-split:w3"], layout="HND", device=device)

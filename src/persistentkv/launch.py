@@ -19,12 +19,15 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (   # what
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
+_runtime_knobs = knobs.runtime
+
+
 def _hooked() -> bool:
     """A profiler (or anything else) has registered a launch hook with Triton: launches then go
     through Triton's own path, which calls the hooks. Triton 3.6 keeps the hooks in a HookChain
     (never None); an older Triton in a plain attribute."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(getattr(h, "calls", h) for h in hooks)
+    enter, exit_ = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
 
 
 class Launcher:
@@ -45,7 +48,8 @@ class Launcher:
 
 class BoundLaunch:
     """launch(*leading): launch with the leading tensor arguments on the current stream of the
-    bound device. The fixed tensors must outlive it (the caller holds them)."""
+    bound device; launch.with_pointers(leading, pointers) when the caller already holds their
+    data_ptr()s. The fixed tensors must outlive it (the caller holds them)."""
 
     def __init__(self, launcher: Launcher, *, grid, key, fixed, constexprs, num_warps, num_stages,
                  device_index):
@@ -65,11 +69,15 @@ class BoundLaunch:
         self.direct = (compiled.run, g[0], g[1], g[2], compiled.function, compiled.packed_metadata)
 
     def __call__(self, *leading: torch.Tensor) -> None:
+        self.with_pointers(leading, [t.data_ptr() for t in leading])
+
+    def with_pointers(self, leading: tuple, pointers: list) -> None:
+        """Launch; pointers[i] is leading[i].data_ptr()."""
         direct = self.direct
         if direct is not None and not _hooked():
             run, g0, g1, g2, function, metadata = direct
             run(g0, g1, g2, _raw_stream(self.device_index), function, metadata, None, None, None,
-                *[t.data_ptr() for t in leading], *self.trailing)
+                *pointers, *self.trailing)
             return
         # Triton's own path: the first call of a specialization, the interpreter, or a profiler's
         # launch hook. The direct call passes arguments by position: they must follow the signature.

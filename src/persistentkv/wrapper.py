@@ -344,12 +344,20 @@ class DecodeWrapper:
             return self._run_traced(plan, q, kv_cache, out, return_lse)
         # The arguments are checked in full once per plan and argument signature (shapes, dtypes,
         # devices, strides, alignment); later layers with the same signature only pay for the
-        # signature itself.
+        # signature itself, and the data pointers it reads go straight to the launch.
         try:
-            sig = (_signature(q), _signature(out), return_lse,
-                   _signature(kv_cache) if type(kv_cache) is torch.Tensor
-                   else tuple(_signature(t) for t in kv_cache))
-        except (AttributeError, TypeError):
+            if isinstance(kv_cache, torch.Tensor):
+                k = v = kv_cache
+            else:
+                k, v = kv_cache
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            op = 0 if out is None else out.data_ptr()
+            sig = (q.shape, q.dtype, q.device, q.stride(), qp % 16,
+                   k.shape, k.dtype, k.device, k.stride(), kp % 16,
+                   None if v is k else (v.shape, v.dtype, v.device, v.stride(), vp % 16),
+                   None if out is None else (out.shape, out.dtype, out.device, out.stride(), op % 16),
+                   return_lse)
+        except (AttributeError, TypeError, ValueError):
             sig = None
         prepared = self._prepared.get(sig)
         if prepared is None:
@@ -358,12 +366,15 @@ class DecodeWrapper:
                 self._prepared[sig] = prepared
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            op = out.data_ptr()
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else out
         if plan.batch_size:
-            if type(kv_cache) is torch.Tensor:
-                prepared(q, kv_cache, kv_cache, out, lse)
+            if sig is None:   # checked by _prepare: a tensor or a (k, v) pair
+                k, v = (kv_cache, kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
+                prepared(q, k, v, out, lse)
             else:
-                prepared(q, kv_cache[0], kv_cache[1], out, lse)
+                prepared.with_pointers((q, k, v, out, lse),
+                                       [qp, kp, vp, op, lse.data_ptr() if return_lse else op])
         return (out, lse) if return_lse else out
 
     def _run_traced(self, plan: DecodePlan, q, kv_cache, out, return_lse: bool) -> torch.Tensor:
@@ -473,10 +484,3 @@ def _fixed_split_pages(page_size: int) -> int:
 
 def _max_or(t: torch.Tensor, default: int) -> int:
     return int(t.max()) if t.numel() else default
-
-
-def _signature(t: torch.Tensor | None):
-    """What run()'s checks and the kernel's specialization depend on, for one tensor argument."""
-    if t is None:
-        return None
-    return (t.shape, t.dtype, t.device, t.stride(), t.data_ptr() % 16)

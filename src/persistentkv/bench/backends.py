@@ -5,6 +5,7 @@ per layer. Every backend reads the same pools and queries and writes its own out
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -74,20 +75,32 @@ class Backend:
 
 
 class PersistentKV(Backend):
-    def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None, config=None):
+    """One of our schedules, with the default split and launch configuration unless split_pages,
+    config or num_warps (the head dim's default config with that warp count) fix them."""
+
+    def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None, config=None,
+                 num_warps: int | None = None):
         from ..wrapper import DecodeWrapper  # imported late: the CLI picks the interpreter first
 
-        self.name = f"pkv-{schedule}" if split_pages is None else f"pkv-{schedule}@{split_pages}"
-        self.schedule, self.split_pages, self.config = schedule, split_pages, config
+        self.name = (f"pkv-{schedule}" + (f"@{split_pages}" if split_pages else "")
+                     + (f":w{num_warps}" if num_warps else ""))
+        self.schedule, self.split_pages, self.num_warps = schedule, split_pages, num_warps
+        self.config = config
         self.wrapper = DecodeWrapper(layout)
 
     def plan(self, step: StepInputs) -> None:
+        from ..tuning import default_config
+
+        config = self.config
+        if self.num_warps:
+            config = dataclasses.replace(default_config(head_dim=step.head_dim),
+                                         num_warps=self.num_warps)
         self.step = step
         self.wrapper.plan(kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
                           kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
                           page_size=step.page_size, backend=self.schedule,
-                          split_pages=self.split_pages, config=self.config)
+                          split_pages=self.split_pages, config=config)
         self.outs = [torch.empty_like(q) for q in step.queries]
 
     def run(self, layer: int) -> torch.Tensor:
@@ -302,16 +315,31 @@ def _split_variant(name: str) -> tuple[str, int] | None:
     return None
 
 
+def _config_variant(name: str) -> tuple[str, int | None, int] | None:
+    """'pkv-workqueue:w8' -> ('workqueue', None, 8), 'pkv-split@32:w8' -> ('split', 32, 8): a
+    schedule launched with another warp count; None for any other name."""
+    head, _, warps = name.partition(":w")
+    if not (warps.isdigit() and int(warps) in (1, 2, 4, 8, 16)):
+        return None
+    if head in ("pkv-split", "pkv-workqueue"):
+        return head[4:], None, int(warps)
+    split = _split_variant(head)
+    return None if split is None else (split[0], split[1], int(warps))
+
+
 def make_backends(names: list[str], *, layout: str, device: torch.device,
                   split_pages: int | None = None) -> tuple[list[Backend], dict[str, str]]:
     """Build the named backends; returns (backends, {name: why it was skipped}).
 
-    Besides ALL_BACKENDS, 'pkv-split@N' and 'pkv-workqueue@N' fix the split at N pages.
+    Besides ALL_BACKENDS, 'pkv-split@N' and 'pkv-workqueue@N' fix the split at N pages, and a
+    ':wW' suffix ('pkv-workqueue:w8', 'pkv-split@32:w8') launches with W warps.
     """
-    unknown = [n for n in names if n not in ALL_BACKENDS and _split_variant(n) is None]
+    unknown = [n for n in names if n not in ALL_BACKENDS and _split_variant(n) is None
+               and _config_variant(n) is None]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)} "
-                         f"or pkv-split@N / pkv-workqueue@N (N pages per split)")
+                         f"or pkv-split@N / pkv-workqueue@N (N pages per split), with an optional "
+                         f":wW (W warps)")
     backends: list[Backend] = []
     skipped: dict[str, str] = {}
     fi = flashinfer_version() if device.type == "cuda" else None
@@ -334,8 +362,12 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
         factories["fi-xqa"] = lambda: FlashInferXQA(layout=layout, workspace=xqa_ws)
     for name in names:
         variant = _split_variant(name)
+        config_variant = _config_variant(name)
         if variant is not None:
             backends.append(PersistentKV(variant[0], layout=layout, split_pages=variant[1]))
+        elif config_variant is not None:
+            schedule, pages, warps = config_variant
+            backends.append(PersistentKV(schedule, layout=layout, split_pages=pages, num_warps=warps))
         elif name in factories:
             backends.append(factories[name]())
         else:

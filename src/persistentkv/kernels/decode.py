@@ -149,16 +149,11 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         if TASKS_ON_DEVICE:
             num_tasks = tl.load(plan_info_ptr)
             split_tokens = tl.load(plan_info_ptr + 1)
-        items = num_tasks * NUM_KV_HEADS
-        programs = tl.num_programs(0)
-        pid = tl.program_id(0)
-        # Fewer (task, KV head) items than programs (graph mode sizes the grid for the largest
-        # step): item i goes to program ceil(i * programs / items), so the busy programs are
-        # spread over the whole grid, and over the SMs, rather than packed at its start.
-        item = pid * items // programs
-        spread = tl.where(tl.cdiv(item * programs, tl.maximum(items, 1)) == pid, item, items)
-        first = tl.where(items < programs, spread, pid)
-        for t in tl.range(first, items, programs):
+        # Program p takes items p, p + programs, ...: the GPU hands out consecutive programs to
+        # different SMs first (scripts/probe_dispatch.py), so the busy programs of a step with fewer
+        # items than programs (graph mode sizes the grid for its largest step) are spread over the
+        # SMs.
+        for t in tl.range(tl.program_id(0), num_tasks * NUM_KV_HEADS, tl.num_programs(0)):
             task = t // NUM_KV_HEADS
             row = tl.load(tasks_ptr + task)
             split = tl.load(tasks_ptr + task_capacity + task)
