@@ -142,12 +142,16 @@ def test_report_draws_the_speedup_over_flashinfer(tmp_path):
     assert all((tmp_path / "plots" / name).stat().st_size > 10_000 for name in written)
 
 
-def test_warp_count_variants_are_checked_like_the_defaults():
+def test_config_variants_are_checked_like_the_defaults():
     device = torch.device("cuda" if ON_GPU else "cpu")
-    backends, _ = make_backends(["pkv-workqueue:w8", "pkv-split@2:w2"], layout="HND", device=device)
-    assert [b.name for b in backends] == ["pkv-workqueue:w8", "pkv-split@2:w2"]
+    names = ["pkv-workqueue:warps8", "pkv-split@2:warps2:stages2", "pkv-graph:pps2:waves3"]
+    backends, _ = make_backends(names, layout="HND", device=device)
+    assert [b.name for b in backends] == names
     measured = run_static("B2", [40, 90], backends, shape=SHAPE, opts=OPTS, device=device)
     assert all(s["status"] == "ok" and s["error"] < 2e-3 for s in measured.steps)
-    assert backends[1].wrapper.plan_info.config.num_warps == 2
-    with pytest.raises(ValueError, match="pkv-split:w3"):
-        make_backends(["pkv-split:w3"], layout="HND", device=device)
+    config = backends[1].wrapper.plan_info.config
+    assert (config.num_warps, config.num_stages) == (2, 2)
+    assert backends[2].overrides == {"programs_per_sm": 2, "waves": 3.0}   # released after the run
+    for bad in ("pkv-split:warps", "pkv-split:colour3", "pkv-grouped@2:warps4"):
+        with pytest.raises(ValueError, match=bad):
+            make_backends([bad], layout="HND", device=device)

@@ -76,25 +76,20 @@ class Backend:
 
 class PersistentKV(Backend):
     """One of our schedules, with the default split and launch configuration unless split_pages,
-    config or num_warps (the head dim's default config with that warp count) fix them."""
+    config or overrides (KernelConfig fields over the head dim's default) fix them."""
 
     def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None, config=None,
-                 num_warps: int | None = None):
+                 overrides: dict | None = None):
         from ..wrapper import DecodeWrapper  # imported late: the CLI picks the interpreter first
 
+        self.overrides = dict(overrides or {})
         self.name = (f"pkv-{schedule}" + (f"@{split_pages}" if split_pages else "")
-                     + (f":w{num_warps}" if num_warps else ""))
-        self.schedule, self.split_pages, self.num_warps = schedule, split_pages, num_warps
-        self.config = config
+                     + _override_suffix(self.overrides))
+        self.schedule, self.split_pages, self.config = schedule, split_pages, config
         self.wrapper = DecodeWrapper(layout)
 
     def plan(self, step: StepInputs) -> None:
-        from ..tuning import default_config
-
-        config = self.config
-        if self.num_warps:
-            config = dataclasses.replace(default_config(head_dim=step.head_dim),
-                                         num_warps=self.num_warps)
+        config = _with_overrides(self.config, self.overrides, head_dim=step.head_dim)
         self.step = step
         self.wrapper.plan(kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
                           kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
@@ -111,11 +106,12 @@ class PersistentKVGraph(Backend):
     """Graph mode: the page table copied into static buffers and planned on the GPU; plan() and
     the L runs are captured together (one graph for the step, no host planning)."""
 
-    name = PKV_GRAPH
     capture_plan = True
 
-    def __init__(self, *, layout: str):
+    def __init__(self, *, layout: str, overrides: dict | None = None):
         self.layout = layout
+        self.overrides = dict(overrides or {})
+        self.name = PKV_GRAPH + _override_suffix(self.overrides)
         self.wrapper = None
         self.sizes: tuple = ()
 
@@ -137,7 +133,8 @@ class PersistentKVGraph(Backend):
         self.wrapper.plan(kv_indptr=self.static[0], kv_indices=self.static[1],
                           kv_last_page_len=self.static[2], num_qo_heads=step.num_qo_heads,
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
-                          page_size=step.page_size)
+                          page_size=step.page_size,
+                          config=_with_overrides(None, self.overrides, head_dim=step.head_dim))
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
@@ -315,31 +312,59 @@ def _split_variant(name: str) -> tuple[str, int] | None:
     return None
 
 
-def _config_variant(name: str) -> tuple[str, int | None, int] | None:
-    """'pkv-workqueue:w8' -> ('workqueue', None, 8), 'pkv-split@32:w8' -> ('split', 32, 8): a
-    schedule launched with another warp count; None for any other name."""
-    head, _, warps = name.partition(":w")
-    if not (warps.isdigit() and int(warps) in (1, 2, 4, 8, 16)):
+# ':<field><value>' suffixes of a backend name: KernelConfig fields other than the default's
+CONFIG_SUFFIXES = {"warps": "num_warps", "stages": "num_stages", "pps": "programs_per_sm",
+                   "waves": "waves"}
+
+
+def _override_suffix(overrides: dict) -> str:
+    short = {field: key for key, field in CONFIG_SUFFIXES.items()}
+    return "".join(f":{short[field]}{value:g}" for field, value in overrides.items())
+
+
+def _with_overrides(config, overrides: dict, *, head_dim: int):
+    if not overrides:
+        return config
+    from ..tuning import default_config
+
+    return dataclasses.replace(config or default_config(head_dim=head_dim), **overrides)
+
+
+def _config_variant(name: str) -> tuple[str, int | None, dict] | None:
+    """'pkv-workqueue:warps8' -> ('workqueue', None, {'num_warps': 8}); 'pkv-split@32:waves3:pps2'
+    -> ('split', 32, {'waves': 3.0, 'programs_per_sm': 2}); 'pkv-graph:pps2' -> ('graph', None,
+    {...}). None for any other name."""
+    base, *options = name.split(":")
+    if not options:
         return None
-    if head in ("pkv-split", "pkv-workqueue"):
-        return head[4:], None, int(warps)
-    split = _split_variant(head)
-    return None if split is None else (split[0], split[1], int(warps))
+    overrides = {}
+    for option in options:
+        key = option.rstrip("0123456789.")
+        value = option[len(key):]
+        if key not in CONFIG_SUFFIXES or not value or value.count(".") > 1:
+            return None
+        field = CONFIG_SUFFIXES[key]
+        overrides[field] = float(value) if field == "waves" else int(float(value))
+    if base in ("pkv-split", "pkv-workqueue", PKV_GRAPH):
+        return base[4:], None, overrides
+    split = _split_variant(base)
+    return None if split is None else (split[0], split[1], overrides)
 
 
 def make_backends(names: list[str], *, layout: str, device: torch.device,
                   split_pages: int | None = None) -> tuple[list[Backend], dict[str, str]]:
     """Build the named backends; returns (backends, {name: why it was skipped}).
 
-    Besides ALL_BACKENDS, 'pkv-split@N' and 'pkv-workqueue@N' fix the split at N pages, and a
-    ':wW' suffix ('pkv-workqueue:w8', 'pkv-split@32:w8') launches with W warps.
+    Besides ALL_BACKENDS, 'pkv-split@N' and 'pkv-workqueue@N' fix the split at N pages, and
+    suffixes change the launch configuration of our backends: ':warpsW', ':stagesS', ':ppsP'
+    (persistent programs per SM), ':wavesX' (target tasks per SM), e.g. 'pkv-graph:pps2'.
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _split_variant(n) is None
                and _config_variant(n) is None]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)} "
-                         f"or pkv-split@N / pkv-workqueue@N (N pages per split), with an optional "
-                         f":wW (W warps)")
+                         f"or pkv-split@N / pkv-workqueue@N (N pages per split), with optional "
+                         f"suffixes {[':' + k + 'N' for k in CONFIG_SUFFIXES]}")
     backends: list[Backend] = []
     skipped: dict[str, str] = {}
     fi = flashinfer_version() if device.type == "cuda" else None
@@ -366,8 +391,11 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
         if variant is not None:
             backends.append(PersistentKV(variant[0], layout=layout, split_pages=variant[1]))
         elif config_variant is not None:
-            schedule, pages, warps = config_variant
-            backends.append(PersistentKV(schedule, layout=layout, split_pages=pages, num_warps=warps))
+            schedule, pages, overrides = config_variant
+            backends.append(PersistentKVGraph(layout=layout, overrides=overrides)
+                            if schedule == "graph" else
+                            PersistentKV(schedule, layout=layout, split_pages=pages,
+                                         overrides=overrides))
         elif name in factories:
             backends.append(factories[name]())
         else:
