@@ -5,6 +5,8 @@ import torch
 from paged_case import DEVICE, ON_GPU
 from persistentkv import TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode, relative_error
 from persistentkv.bench.traces import make_trace, replay
+from persistentkv.runtime import sm_count
+from persistentkv.tuning import KernelConfig
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 MAX_B, MAX_PAGES = 4, 64
@@ -81,14 +83,15 @@ def test_device_plan_matches_reference_as_the_batch_changes(form):
         assert int(wrapper._counters.abs().sum()) == 0
 
 
-def _host_and_device_plans(lens, split_pages, seed=1):
+def _host_and_device_plans(lens, split_pages, seed=1, config=None):
     cache, static = _cache(seed), StaticTable()
     static.fill(_hold_only(cache, lens))
     device = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
-    plan = device.plan(**static.kwargs("csr"), **HEADS, split_pages=split_pages)
+    plan = device.plan(**static.kwargs("csr"), **HEADS, split_pages=split_pages, config=config)
     host = DecodeWrapper("HND").plan(**dict(zip(("kv_indptr", "kv_indices", "kv_last_page_len"),
                                                 cache.page_table().csr(DEVICE))),
-                                     **HEADS, backend="workqueue", split_pages=split_pages)
+                                     **HEADS, backend="workqueue", split_pages=split_pages,
+                                     config=config)
     return plan, host
 
 
@@ -107,11 +110,15 @@ def test_device_plan_tasks_agree_with_host_plan():
     _assert_same_work(plan, host, 3)
 
 
+@pytest.mark.parametrize("one_round", [False, True])
 @pytest.mark.parametrize("lens", [[300, 7, 64], [100, 90], [1], [700, 1, 1, 40], [16, 16, 16, 16]])
-def test_device_plan_picks_the_host_split_size(lens):
+def test_device_plan_picks_the_host_split_size(lens, one_round):
     """Without split_pages the GPU planner applies the host's split rule to the step's lengths:
     same split size, same tasks, same partial slots (a balanced split, whole rows, one page)."""
-    plan, host = _host_and_device_plans(lens, split_pages=None)
+    # 8 tasks per KV head on any GPU (one_round leaves room for the rows' rounding)
+    config = KernelConfig(min_split_tokens=16, waves=16 / sm_count(torch.device(DEVICE)),
+                          one_round=one_round)
+    plan, host = _host_and_device_plans(lens, split_pages=None, config=config)
     _assert_same_work(plan, host, len(lens))
 
 

@@ -83,3 +83,18 @@ def test_split_rule_properties(lens, kv_heads, page, sms):
     assert pages >= 1
     assert split >= min(CFG.min_split_tokens, longest)
     assert min(split, longest) <= WHOLE_ROW_SLACK * balanced + page
+
+
+@pytest.mark.parametrize("lens", [[131072] * 4, [131072] * 8, [40000, 9000, 120000], [5000] * 12])
+def test_one_round_keeps_the_tasks_within_the_target(lens):
+    """The balanced split overflows waves x SMs by up to one task per row (each row's last split
+    rounds up); one_round leaves room for it, and never cuts finer than the balanced split."""
+    lens = np.array(lens)
+    target = int(CFG.waves * 132 / 8)
+    one_round = KernelConfig(one_round=True)
+    pages = default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=one_round)
+    balanced = default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=CFG)
+    assert int((-(-lens // (pages * 16))).sum()) <= target
+    assert pages >= balanced
+    if lens.tolist() == [131072] * 4:
+        assert int((-(-lens // (balanced * 16))).sum()) > target   # the overflow it removes

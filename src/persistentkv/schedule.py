@@ -58,6 +58,8 @@ def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: i
         return 1
     max_len = int(seq_lens.max())
     target_tasks = balanced_task_count(num_kv_heads=num_kv_heads, sm_count=sm_count, config=config)
+    if config.one_round and target_tasks > len(seq_lens):
+        target_tasks -= len(seq_lens)      # room for each row's rounding up
     split_tokens = max(config.min_split_tokens, -(-int(seq_lens.sum()) // target_tasks))
     if (len(seq_lens) >= whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sm_count)
             and max_len <= WHOLE_ROW_SLACK * split_tokens):

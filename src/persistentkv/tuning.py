@@ -17,7 +17,10 @@ class KernelConfig:
     when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
     programs_per_sm: persistent programs per SM for the work-queue: no more than fit on an SM at
     once (3 with the default tile, 70 KB of shared memory each), so that every program starts at
-    once and none waits for a slot while others idle.
+    once and none waits for a slot while others idle; one_round: the split size leaves room for
+    each row's last, partial split, so that a step's tasks stay within the waves x SMs target
+    (the step's tokens shared out over target - rows tasks) rather than overflowing it by up to
+    one task per row.
     """
 
     block_n: int = 64
@@ -26,6 +29,7 @@ class KernelConfig:
     waves: float = 2.0
     min_split_tokens: int = 128
     programs_per_sm: int = 3
+    one_round: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm"):

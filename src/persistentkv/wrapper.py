@@ -291,7 +291,7 @@ class DecodeWrapper:
         # one launch of the GPU planner, with everything but the page-table tensors bound (a key
         # compiled before launches directly; _graph_replan reuses this launch)
         fixed = (bufs["meta"], bufs["tasks"], bufs["plan_info"], max_b, capacity, split_tokens,
-                 row_stride, target_tasks, config.min_split_tokens,
+                 row_stride, target_tasks, int(config.one_round), config.min_split_tokens,
                  whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sms), WHOLE_ROW_SLACK)
         constexprs = dict(PAGE_SIZE=page_size, BLOCK_ROWS=next_power_of_2(max_b),
                           BLOCK_SPLITS=32, CSR=is_csr, ADAPTIVE=adaptive)

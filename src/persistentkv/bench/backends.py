@@ -314,7 +314,7 @@ def _split_variant(name: str) -> tuple[str, int] | None:
 
 # ':<field><value>' suffixes of a backend name: KernelConfig fields other than the default's
 CONFIG_SUFFIXES = {"warps": "num_warps", "stages": "num_stages", "pps": "programs_per_sm",
-                   "waves": "waves"}
+                   "waves": "waves", "oneround": "one_round"}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -344,7 +344,8 @@ def _config_variant(name: str) -> tuple[str, int | None, dict] | None:
         if key not in CONFIG_SUFFIXES or not value or value.count(".") > 1:
             return None
         field = CONFIG_SUFFIXES[key]
-        overrides[field] = float(value) if field == "waves" else int(float(value))
+        overrides[field] = (float(value) if field == "waves" else bool(int(float(value)))
+                            if field == "one_round" else int(float(value)))
     if base in ("pkv-split", "pkv-workqueue", PKV_GRAPH):
         return base[4:], None, overrides
     split = _split_variant(base)

@@ -10,7 +10,8 @@ import triton.language as tl
 @triton.jit
 def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, plan_info_ptr,
                           num_rows, task_capacity, fixed_split_tokens, block_table_stride,
-                          target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
+                          target_tasks, one_round, min_split_tokens, whole_row_min_rows,
+                          whole_row_slack,
                           PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                           BLOCK_SPLITS: tl.constexpr, CSR: tl.constexpr, ADAPTIVE: tl.constexpr):
     """Program b: row b's meta (seq_len, page start, partial slot or -1) and its tasks.
@@ -18,8 +19,8 @@ def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, p
     CSR: seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without pages), page
     start = indptr[b]; else seq_len = lens[b], page start = b * block_table_stride.
     Split size: fixed_split_tokens, or with ADAPTIVE the host's rule (schedule.default_split_pages)
-    on the step's own lengths: the tokens shared out as target_tasks tasks per KV head, each at
-    least min_split_tokens; whole rows when at least whole_row_min_rows rows are active and no
+    on the step's own lengths: the tokens shared out as target_tasks tasks per KV head (with
+    one_round, target_tasks - active rows when more), each at least min_split_tokens; whole rows when at least whole_row_min_rows rows are active and no
     row is longer than whole_row_slack x that share; rounded up to whole pages.
     Tasks (row, split) for split < cdiv(seq_len, split) go at the exclusive prefix sum of the
     rows' split counts; program 0 writes (task count, split tokens) to plan_info.
@@ -39,7 +40,9 @@ def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, p
         total = tl.sum(lens, axis=0)
         max_len = tl.max(lens, axis=0)
         active = tl.sum((lens > 0).to(tl.int32), axis=0)
-        split_tokens = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks))
+        target = tl.where((one_round != 0) & (target_tasks > active), target_tasks - active,
+                          target_tasks)
+        split_tokens = tl.maximum(min_split_tokens, tl.cdiv(total, target))
         if (active >= whole_row_min_rows) & (max_len.to(tl.float32)
                                              <= whole_row_slack * split_tokens.to(tl.float32)):
             split_tokens = max_len
