@@ -27,7 +27,7 @@ def test_a_long_row_in_a_large_batch_is_still_cut():
     lens = np.array([32768] + [1024] * 127)
     pages = default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=CFG)
     balanced = lens.sum() / int(CFG.waves * 132 / 8)
-    assert pages * 16 < 32768 and pages * 16 >= balanced
+    assert pages * 16 < 32768 and -(-32768 // (pages * 16)) <= -(-32768 // balanced)
     assert pages * 16 >= 1024          # the short rows stay whole
 
 
@@ -36,9 +36,18 @@ def test_small_batches_split_to_about_waves_per_sm():
                                 config=CFG)
     tasks = -(-32768 // (pages * 16)) * 8
     assert 0.75 * CFG.waves * 132 <= tasks <= CFG.waves * 132
-    # never below the minimum split
+    # never more splits than the minimum split gives, and even ones: 300 tokens in 3 x 112
     assert default_split_pages(np.array([300]), page_size=16, num_kv_heads=8, sm_count=132,
-                               config=CFG) * 16 >= CFG.min_split_tokens
+                               config=CFG) == 7
+
+
+def test_even_splits_keep_the_task_count():
+    """B4 x 1K: the balanced share (4096 / 33 tasks, at least 128 tokens) gives 8 splits per row;
+    B4 x 128K with one_round: 8 splits of 16K per row, not 7 of 18K and a short one."""
+    assert default_split_pages(np.full(4, 1024), page_size=16, num_kv_heads=8, sm_count=132,
+                               config=CFG) == 8
+    assert default_split_pages(np.full(4, 131072), page_size=16, num_kv_heads=8, sm_count=132,
+                               config=KernelConfig(one_round=True)) == 1024
 
 
 def test_workqueue_lists_only_nonempty_tasks_longest_first():
@@ -72,8 +81,9 @@ def test_too_many_splits_for_the_grid():
        kv_heads=st.sampled_from([1, 2, 8, 32]), page=st.sampled_from([1, 16, 64]),
        sms=st.sampled_from([4, 132]))
 def test_split_rule_properties(lens, kv_heads, page, sms):
-    """The default split is whole pages, never needlessly short, and no task is much longer than
-    the balanced share of the step (tokens / (waves x SMs / KV heads)): no row runs on alone."""
+    """The default split is whole pages, never cuts a row into more splits than the balanced share
+    of the step does (tokens / (waves x SMs / KV heads), at least min_split_tokens), and no task is
+    much longer than that share: no row runs on alone."""
     lens = np.asarray(lens, dtype=np.int64)
     pages = default_split_pages(lens, page_size=page, num_kv_heads=kv_heads, sm_count=sms, config=CFG)
     split = pages * page
@@ -81,7 +91,8 @@ def test_split_rule_properties(lens, kv_heads, page, sms):
     balanced = max(CFG.min_split_tokens,
                    -(-int(lens.sum()) // max(1, int(CFG.waves * sms / kv_heads))))
     assert pages >= 1
-    assert split >= min(CFG.min_split_tokens, longest)
+    balanced_pages = -(-balanced // page)
+    assert (-(-lens // split)).sum() <= (-(-lens // (balanced_pages * page))).sum()
     assert min(split, longest) <= WHOLE_ROW_SLACK * balanced + page
 
 

@@ -53,6 +53,8 @@ def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: i
     least config.min_split_tokens). When rows x KV heads already fill the SMs and no row is much
     longer than that balanced split, whole rows (splitting would only add partial writes and
     merges); a long row in a large batch is still cut, or its task would run long after the rest.
+    Then the split shrinks to the fewest pages that keep every row's split count, so each row's
+    splits are even (1024 tokens at a 144-token split: 8 splits of 128, not 7 of 144 and one of 16).
     The GPU planner of graph mode applies the same rule on the device (kernels/plan.py)."""
     if not len(seq_lens):
         return 1
@@ -64,7 +66,10 @@ def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: i
     if (len(seq_lens) >= whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sm_count)
             and max_len <= WHOLE_ROW_SLACK * split_tokens):
         split_tokens = max_len
-    return max(1, -(-split_tokens // page_size))
+    split_tokens = max(1, -(-split_tokens // page_size)) * page_size
+    splits = -(-seq_lens // split_tokens)
+    even_tokens = int((-(-seq_lens // splits)).max())
+    return max(1, -(-even_tokens // page_size))
 
 
 def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: str, page_size: int,

@@ -21,7 +21,8 @@ def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, p
     Split size: fixed_split_tokens, or with ADAPTIVE the host's rule (schedule.default_split_pages)
     on the step's own lengths: the tokens shared out as target_tasks tasks per KV head (with
     one_round, target_tasks - active rows when more), each at least min_split_tokens; whole rows when at least whole_row_min_rows rows are active and no
-    row is longer than whole_row_slack x that share; rounded up to whole pages.
+    row is longer than whole_row_slack x that share; rounded up to whole pages; then the fewest
+    pages that keep every row's split count (even splits).
     Tasks (row, split) for split < cdiv(seq_len, split) go at the exclusive prefix sum of the
     rows' split counts; program 0 writes (task count, split tokens) to plan_info.
     Grid: (num_rows,).
@@ -47,6 +48,9 @@ def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, p
                                              <= whole_row_slack * split_tokens.to(tl.float32)):
             split_tokens = max_len
         split_tokens = tl.maximum(tl.cdiv(split_tokens, PAGE_SIZE), 1) * PAGE_SIZE
+        row_splits = tl.maximum(tl.cdiv(lens, split_tokens), 1)
+        even_tokens = tl.max(tl.cdiv(lens, row_splits), axis=0)
+        split_tokens = tl.maximum(tl.cdiv(even_tokens, PAGE_SIZE), 1) * PAGE_SIZE
     else:
         split_tokens = fixed_split_tokens
     splits = tl.cdiv(lens, split_tokens)                                     # [BLOCK_ROWS], 0 if inactive
