@@ -111,7 +111,8 @@ def test_device_plan_tasks_agree_with_host_plan():
 
 
 @pytest.mark.parametrize("one_round", [False, True])
-@pytest.mark.parametrize("lens", [[300, 7, 64], [100, 90], [1], [700, 1, 1, 40], [16, 16, 16, 16]])
+@pytest.mark.parametrize("lens", [[300, 7, 64], [100, 90], [1], [700, 1, 1, 40], [16, 16, 16, 16],
+                                  [300, 300, 300]])
 def test_device_plan_picks_the_host_split_size(lens, one_round):
     """Without split_pages the GPU planner applies the host's split rule to the step's lengths:
     same split size, same tasks, same partial slots (a balanced split, whole rows, one page)."""

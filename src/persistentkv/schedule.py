@@ -35,6 +35,8 @@ class Schedule:
 
 
 WHOLE_ROW_SLACK = 1.25  # a row up to this many times the balanced split is not cut
+ONE_ROUND_SLACK = 1.25  # one_round takes a split up to this many times the balanced one
+ONE_ROUND_STEPS = 8     # ... found in at most this many steps
 
 
 def balanced_task_count(*, num_kv_heads: int, sm_count: int, config: KernelConfig) -> int:
@@ -53,23 +55,46 @@ def default_split_pages(seq_lens: np.ndarray, *, page_size: int, num_kv_heads: i
     least config.min_split_tokens). When rows x KV heads already fill the SMs and no row is much
     longer than that balanced split, whole rows (splitting would only add partial writes and
     merges); a long row in a large batch is still cut, or its task would run long after the rest.
-    Then the split shrinks to the fewest pages that keep every row's split count, so each row's
-    splits are even (1024 tokens at a 144-token split: 8 splits of 128, not 7 of 144 and one of 16).
-    The GPU planner of graph mode applies the same rule on the device (kernels/plan.py)."""
+    With config.one_round, the split grows (by at most ONE_ROUND_SLACK) until the tasks fit in the
+    target: each row's last, partial split would otherwise overflow it (B4 x 128K: 8 splits of
+    16K per row, 32 tasks per KV head, rather than 9 splits of 15.9K, 36 tasks, and a second round
+    for 3 of them). Then the split shrinks to the fewest pages that keep every row's split count,
+    so each row's splits are even (1024 tokens at a 144-token split: 8 splits of 128, not 7 of 144
+    and one of 16). The GPU planner of graph mode applies the same rule on the device
+    (kernels/plan.py)."""
     if not len(seq_lens):
         return 1
     max_len = int(seq_lens.max())
     target_tasks = balanced_task_count(num_kv_heads=num_kv_heads, sm_count=sm_count, config=config)
-    if config.one_round and target_tasks > len(seq_lens):
-        target_tasks -= len(seq_lens)      # room for each row's rounding up
     split_tokens = max(config.min_split_tokens, -(-int(seq_lens.sum()) // target_tasks))
     if (len(seq_lens) >= whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sm_count)
             and max_len <= WHOLE_ROW_SLACK * split_tokens):
         split_tokens = max_len
     split_tokens = max(1, -(-split_tokens // page_size)) * page_size
+    if config.one_round:
+        split_tokens = _one_round_split(seq_lens, split_tokens, target_tasks, page_size)
     splits = -(-seq_lens // split_tokens)
     even_tokens = int((-(-seq_lens // splits)).max())
     return max(1, -(-even_tokens // page_size))
+
+
+def _one_round_split(seq_lens: np.ndarray, split_tokens: int, target_tasks: int,
+                     page_size: int) -> int:
+    """The smallest split (whole pages) whose tasks fit in target_tasks, if it is found within
+    ONE_ROUND_STEPS steps and is at most ONE_ROUND_SLACK x split_tokens; else split_tokens.
+    Each step takes the smallest split that removes a split from some row."""
+    split = split_tokens
+    for _ in range(ONE_ROUND_STEPS):
+        splits = -(-seq_lens // split)
+        if int(splits.sum()) <= target_tasks:
+            break
+        cut = splits > 1
+        if not cut.any():
+            return split_tokens
+        fewer = int((-(-seq_lens[cut] // (splits[cut] - 1))).min())
+        split = -(-fewer // page_size) * page_size
+    fits = int((-(-seq_lens // split)).sum()) <= target_tasks
+    return split if fits and split <= ONE_ROUND_SLACK * split_tokens else split_tokens
 
 
 def build_schedule(seq_lens: np.ndarray, page_starts: np.ndarray, *, backend: str, page_size: int,

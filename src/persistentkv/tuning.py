@@ -15,12 +15,13 @@ class KernelConfig:
     block_n: tokens per K/V tile; num_warps, num_stages: Triton's launch options (num_stages is the
     software-pipelining depth of the token loop); waves: target (row, KV head, split) tasks per SM
     when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
-    programs_per_sm: persistent programs per SM for the work-queue: no more than fit on an SM at
-    once (3 with the default tile, 70 KB of shared memory each), so that every program starts at
-    once and none waits for a slot while others idle; one_round: the split size leaves room for
-    each row's last, partial split, so that a step's tasks stay within the waves x SMs target
-    (the step's tokens shared out over target - rows tasks) rather than overflowing it by up to
-    one task per row.
+    programs_per_sm: persistent programs per SM for the work-queue; one_round: the split size
+    leaves room for each row's last, partial split, so that a step's tasks stay within the
+    waves x SMs target (the tokens shared out over target - rows tasks) instead of overflowing it
+    by up to one task per row. Together (2 programs per SM, waves 2): one task per program on
+    split steps, and four or more rounds of whole rows on large batches; measured best against 3
+    programs per SM (which fit with 70 KB of shared memory each) on the H200 grid
+    (docs/perf-notes.md, v4).
     """
 
     block_n: int = 64
@@ -28,8 +29,8 @@ class KernelConfig:
     num_stages: int = 3
     waves: float = 2.0
     min_split_tokens: int = 128
-    programs_per_sm: int = 3
-    one_round: bool = False
+    programs_per_sm: int = 2
+    one_round: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm"):

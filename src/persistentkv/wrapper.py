@@ -21,8 +21,8 @@ from .kernels.plan import plan_workqueue_kernel
 from .launch import BoundLaunch, Launcher
 from .page_inputs import block_rows, cache_views, check_block_shapes, check_csr_shapes, csr_rows
 from .runtime import check_interpreter_numpy, interpreting, next_power_of_2, sm_count
-from .schedule import (BACKENDS, WHOLE_ROW_SLACK, Schedule, balanced_task_count, build_schedule,
-                       whole_row_min_rows)
+from .schedule import (BACKENDS, ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Schedule,
+                       balanced_task_count, build_schedule, whole_row_min_rows)
 from .tuning import KernelConfig, default_config
 
 MAX_GROUP = 64
@@ -291,10 +291,12 @@ class DecodeWrapper:
         # one launch of the GPU planner, with everything but the page-table tensors bound (a key
         # compiled before launches directly; _graph_replan reuses this launch)
         fixed = (bufs["meta"], bufs["tasks"], bufs["plan_info"], max_b, capacity, split_tokens,
-                 row_stride, target_tasks, int(config.one_round), config.min_split_tokens,
-                 whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sms), WHOLE_ROW_SLACK)
+                 row_stride, target_tasks, config.min_split_tokens,
+                 whole_row_min_rows(num_kv_heads=num_kv_heads, sm_count=sms), WHOLE_ROW_SLACK,
+                 ONE_ROUND_SLACK)
         constexprs = dict(PAGE_SIZE=page_size, BLOCK_ROWS=next_power_of_2(max_b),
-                          BLOCK_SPLITS=32, CSR=is_csr, ADAPTIVE=adaptive)
+                          BLOCK_SPLITS=32, CSR=is_csr, ADAPTIVE=adaptive,
+                          ONE_ROUND_STEPS=ONE_ROUND_STEPS if config.one_round else 0)
         leading = (kv_indptr, kv_last_page_len, lens_src)
         key = (*fixed[3:], *constexprs.values(), device.index, *(t.data_ptr() % 16 for t in leading))
         launch = self._planner.bind(grid=(max_b,), key=key, fixed=fixed, constexprs=constexprs,

@@ -10,18 +10,20 @@ import triton.language as tl
 @triton.jit
 def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, plan_info_ptr,
                           num_rows, task_capacity, fixed_split_tokens, block_table_stride,
-                          target_tasks, one_round, min_split_tokens, whole_row_min_rows,
-                          whole_row_slack,
+                          target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
+                          one_round_slack,
                           PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                          BLOCK_SPLITS: tl.constexpr, CSR: tl.constexpr, ADAPTIVE: tl.constexpr):
+                          BLOCK_SPLITS: tl.constexpr, CSR: tl.constexpr, ADAPTIVE: tl.constexpr,
+                          ONE_ROUND_STEPS: tl.constexpr):
     """Program b: row b's meta (seq_len, page start, partial slot or -1) and its tasks.
 
     CSR: seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without pages), page
     start = indptr[b]; else seq_len = lens[b], page start = b * block_table_stride.
     Split size: fixed_split_tokens, or with ADAPTIVE the host's rule (schedule.default_split_pages)
-    on the step's own lengths: the tokens shared out as target_tasks tasks per KV head (with
-    one_round, target_tasks - active rows when more), each at least min_split_tokens; whole rows when at least whole_row_min_rows rows are active and no
-    row is longer than whole_row_slack x that share; rounded up to whole pages; then the fewest
+    on the step's own lengths: the tokens shared out as target_tasks tasks per KV head, each at
+    least min_split_tokens; whole rows when at least whole_row_min_rows rows are active and no row
+    is longer than whole_row_slack x that share; rounded up to whole pages; with ONE_ROUND_STEPS >
+    0, grown (by at most one_round_slack) until the tasks fit in target_tasks; then the fewest
     pages that keep every row's split count (even splits).
     Tasks (row, split) for split < cdiv(seq_len, split) go at the exclusive prefix sum of the
     rows' split counts; program 0 writes (task count, split tokens) to plan_info.
@@ -41,13 +43,24 @@ def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, p
         total = tl.sum(lens, axis=0)
         max_len = tl.max(lens, axis=0)
         active = tl.sum((lens > 0).to(tl.int32), axis=0)
-        target = tl.where((one_round != 0) & (target_tasks > active), target_tasks - active,
-                          target_tasks)
-        split_tokens = tl.maximum(min_split_tokens, tl.cdiv(total, target))
+        split_tokens = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks))
         if (active >= whole_row_min_rows) & (max_len.to(tl.float32)
                                              <= whole_row_slack * split_tokens.to(tl.float32)):
             split_tokens = max_len
         split_tokens = tl.maximum(tl.cdiv(split_tokens, PAGE_SIZE), 1) * PAGE_SIZE
+        if ONE_ROUND_STEPS > 0:   # schedule._one_round_split
+            balanced = split_tokens
+            count = tl.sum(tl.cdiv(lens, split_tokens), axis=0)
+            for _ in tl.static_range(ONE_ROUND_STEPS):
+                row_splits = tl.cdiv(lens, split_tokens)
+                fewer = tl.min(tl.where(row_splits > 1, tl.cdiv(lens, tl.maximum(row_splits - 1, 1)),
+                                        1 << 30), axis=0)
+                grow = (count > target_tasks) & (fewer < (1 << 30))
+                split_tokens = tl.where(grow, tl.cdiv(fewer, PAGE_SIZE) * PAGE_SIZE, split_tokens)
+                count = tl.sum(tl.cdiv(lens, split_tokens), axis=0)
+            if (count > target_tasks) | (split_tokens.to(tl.float32)
+                                         > one_round_slack * balanced.to(tl.float32)):
+                split_tokens = balanced
         row_splits = tl.maximum(tl.cdiv(lens, split_tokens), 1)
         even_tokens = tl.max(tl.cdiv(lens, row_splits), axis=0)
         split_tokens = tl.maximum(tl.cdiv(even_tokens, PAGE_SIZE), 1) * PAGE_SIZE
