@@ -30,11 +30,11 @@ for step in $steps; do
                done ;;
     grid)      timeout 200 python3 -m persistentkv.cli bench --grid --backends $backends --out "$out" \
                  > "$out/grid-log.txt" 2>&1; tail -1 "$out/grid-log.txt" ;;
-    calibrate) timeout 300 python3 -m persistentkv.cli calibrate --samples 4 --out "$out/policy.json" \
+    calibrate) timeout 300 python3 -m persistentkv.cli calibrate --samples 6 --out "$out/policy.json" \
                  > "$out/calibrate-log.txt" 2>&1; tail -1 "$out/calibrate-log.txt" ;;
     evaluate)  policy=()
                [ -f "$out/policy.json" ] && policy=(--policy "$out/policy.json")
-               timeout 240 python3 -m persistentkv.cli evaluate "${policy[@]}" --samples 6 --out "$out" \
+               timeout 300 python3 -m persistentkv.cli evaluate "${policy[@]}" --samples 8 --eager-reps 7 --out "$out" \
                  > "$out/evaluate-log.txt" 2>&1; tail -8 "$out/evaluate-log.txt" ;;
     probe)     timeout 120 python3 scripts/probe_fixed_cost.py > "$out/probe-fixed-cost.json" 2>&1
                tail -30 "$out/probe-fixed-cost.json" ;;

@@ -60,7 +60,7 @@ def test_fit_breaks_near_ties_by_the_other_mode():
 
 
 def test_decide_by_mode():
-    """mode="eager" reads the eager table, falling back to the graph table, then to the rule."""
+    """mode="eager" reads the eager table; an unfitted bin takes the nearest fitted one."""
     even = StepFeatures.of([1000] * 4, **FEATS)
     skewed = StepFeatures.of([100, 100, 100, 9000], **FEATS)
     policy = Policy(gpu="X", table={even.bin(): Choice("fi-xqa"), skewed.bin(): Choice("pkv-split")},
@@ -68,10 +68,11 @@ def test_decide_by_mode():
                     eager_table={even.bin(): Choice("pkv-graph")})
     assert policy.decide(even) == Choice("fi-xqa")
     assert policy.decide(even, mode="eager") == Choice("pkv-graph")
-    assert policy.decide(skewed, mode="eager") == Choice("pkv-split")
+    assert policy.decide(skewed, mode="eager") == Choice("pkv-graph")   # nearest eager bin
     assert policy.decide(even, mode="eager", pkv_only=True) == Choice("pkv-split")
+    assert Policy(gpu="X", table=policy.table).decide(skewed, mode="eager") == Choice("pkv-split")
     other = StepFeatures.of([5] * 200, **FEATS)
-    assert policy.decide(other, mode="eager") == fallback_choice(other)
+    assert Policy(gpu="X").decide(other, mode="eager") == fallback_choice(other)
     with pytest.raises(ValueError, match="mode must be"):
         policy.decide(even, mode="replay")
 
@@ -90,6 +91,19 @@ def test_json_round_trip_and_bad_files(tmp_path):
     path.write_text('{"gpu": "X"}')
     with pytest.raises(ValueError, match="not a policy file"):
         load_policy("X", path)
+
+
+def test_an_unfitted_bin_takes_the_nearest_fitted_one():
+    """Calibration reaches only some bins: B4 at 1-2K (r1-l0-s0, between a fitted B1 short bin and
+    a fitted B4 long bin) takes the nearer one, not the fallback rule."""
+    table = {"r0-l0-s0": Choice("pkv-graph"), "r1-l3-s1": Choice("pkv-split"),
+             "r4-l3-s1": Choice("pkv-workqueue", 64)}
+    policy = Policy(gpu="X", table=table)
+    b4_short = StepFeatures.of([1400] * 4, **FEATS)
+    assert b4_short.bin() == "r1-l0-s0" and policy.decide(b4_short) == Choice("pkv-graph")
+    assert policy.decide(StepFeatures.of([9000] * 100, **FEATS)) == Choice("pkv-workqueue", 64)
+    assert policy.decide(StepFeatures.of([1400] * 4, **FEATS), pkv_only=True) == fallback_choice(
+        b4_short)                                              # an empty table: the rule
 
 
 def test_unknown_gpu_gets_the_fallback_rule():

@@ -98,7 +98,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     policy = load_policy(name, args.policy)
     run_evaluate(device=torch.device(device), policy=policy, seeds=_ints(args.seeds),
                  backends=args.backends.split(","), shape=ModelShape(layout=args.layout),
-                 opts=RunOptions(layers=args.layers, samples=args.samples), out_dir=Path(args.out),
+                 opts=RunOptions(layers=args.layers, samples=args.samples,
+                                 eager_reps=args.eager_reps), out_dir=Path(args.out),
                  tag=args.tag)
     return 0
 
@@ -179,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "fi-cuda-core,fi-tensor-core,fi-xqa")
     evaluate.add_argument("--layers", type=int, default=32)
     evaluate.add_argument("--samples", type=int, default=8)
+    evaluate.add_argument("--eager-reps", type=int, default=3,
+                          help="timed eager repetitions of each step (median)")
     evaluate.add_argument("--layout", choices=["HND", "NHD"], default="HND")
     evaluate.add_argument("--out", default="results")
     evaluate.add_argument("--tag", default="evaluate")

@@ -2,13 +2,15 @@
 
 A policy is a small decision table fitted by `persistentkv calibrate`: the steps' features are
 binned by active rows, longest context and spread (longest / mean), and each bin holds the
-candidate that was fastest in total over the calibration steps that fell in it. Pure Python,
-deterministic, a few microseconds per decision; saved as JSON per GPU model. A GPU with no fitted
-policy gets FALLBACK, a rule that needs no measurement (documented on `fallback_choice`).
+candidate that was fastest in total over the calibration steps that fell in it; a step in a bin
+no calibration step reached takes the nearest fitted bin's choice. Pure Python, deterministic, a
+few microseconds per decision; saved as JSON per GPU model. A GPU with no fitted policy gets a
+rule that needs no measurement (documented on `fallback_choice`).
 """
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -66,6 +68,22 @@ def bin_of(*, rows: int, max_len: int, total_tokens: int) -> str:
             f"-s{bisect.bisect_left(SPREAD_EDGES, spread)}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _bin_indices(key: str) -> tuple[int, ...]:
+    """'r2-l1-s0' -> (2, 1, 0)."""
+    return tuple(int(part[1:]) for part in key.split("-"))
+
+
+def _nearest(table: dict, key: str):
+    """The table's entry for the bin nearest to `key` (fewest bin steps over rows, longest context
+    and spread; ties to the first key in sorted order); None for an empty table."""
+    if not table:
+        return None
+    want = _bin_indices(key)
+    best = min(sorted(table), key=lambda k: sum(abs(a - b) for a, b in zip(_bin_indices(k), want)))
+    return table[best]
+
+
 @dataclass(frozen=True)
 class Choice:
     """A backend name as the benchmark knows it ('pkv-split', 'fi-xqa', ...) and, for PersistentKV's
@@ -102,15 +120,18 @@ class Policy:
 
     def decide(self, features: StepFeatures, *, pkv_only: bool = False,
                mode: str = "graph") -> Choice:
-        """mode: "graph" (steps replayed from CUDA graphs) or "eager"; a bin the eager table does
-        not hold falls back to the graph table, then to fallback_choice."""
+        """mode: "graph" (steps replayed from CUDA graphs) or "eager". A bin the table does not
+        hold takes the choice of the nearest bin it holds (calibration traces do not reach every
+        bin); the eager table falls back to the graph table when it is empty, and a policy with
+        no fitted bins to fallback_choice."""
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
         key = features.bin()
         if pkv_only:
-            choice = self.pkv_table.get(key)
+            table = self.pkv_table
         else:
-            choice = (self.eager_table.get(key) if mode == "eager" else None) or self.table.get(key)
+            table = (self.eager_table if mode == "eager" and self.eager_table else None) or self.table
+        choice = table.get(key) or _nearest(table, key)
         return choice if choice is not None else fallback_choice(features)
 
     # -- JSON ------------------------------------------------------------------------------------
