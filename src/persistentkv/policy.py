@@ -74,14 +74,21 @@ def _bin_indices(key: str) -> tuple[int, ...]:
     return tuple(int(part[1:]) for part in key.split("-"))
 
 
+NEAREST_WEIGHTS = (2, 1, 1)   # bin steps in rows count double: the row count decides the schedule first
+
+
 def _nearest(table: dict, key: str):
-    """The table's entry for the bin nearest to `key` (fewest bin steps over rows, longest context
-    and spread; ties to the first key in sorted order); None for an empty table."""
+    """The table's entry for the bin nearest to `key`: fewest bin steps over rows (weighted by
+    NEAREST_WEIGHTS), longest context and spread; ties to the first key in sorted order. None
+    for an empty table."""
     if not table:
         return None
     want = _bin_indices(key)
-    best = min(sorted(table), key=lambda k: sum(abs(a - b) for a, b in zip(_bin_indices(k), want)))
-    return table[best]
+
+    def distance(k: str) -> int:
+        return sum(w * abs(a - b) for w, a, b in zip(NEAREST_WEIGHTS, _bin_indices(k), want))
+
+    return table[min(sorted(table), key=distance)]
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,8 @@ class Policy:
     pkv_table: dict[str, Choice] = field(default_factory=dict)
     eager_table: dict[str, Choice] = field(default_factory=dict)
     fit: dict = field(default_factory=dict)     # how it was fitted: traces, seeds, objective, counts
+    # (table, bin) -> the nearest fitted bin's choice; the tables are not edited after the first decide
+    _nearest_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def decide(self, features: StepFeatures, *, pkv_only: bool = False,
                mode: str = "graph") -> Choice:
@@ -128,10 +137,17 @@ class Policy:
             raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
         key = features.bin()
         if pkv_only:
-            table = self.pkv_table
+            name, table = "pkv", self.pkv_table
+        elif mode == "eager" and self.eager_table:
+            name, table = "eager", self.eager_table
         else:
-            table = (self.eager_table if mode == "eager" and self.eager_table else None) or self.table
-        choice = table.get(key) or _nearest(table, key)
+            name, table = "graph", self.table
+        choice = table.get(key)
+        if choice is None and table:
+            memo = self._nearest_memo
+            choice = memo.get((name, key))
+            if choice is None:
+                choice = memo[name, key] = _nearest(table, key)
         return choice if choice is not None else fallback_choice(features)
 
     # -- JSON ------------------------------------------------------------------------------------
