@@ -102,12 +102,12 @@ def test_an_unfitted_bin_takes_the_nearest_fitted_one():
     b4_short = StepFeatures.of([1400] * 4, **FEATS)
     assert b4_short.bin() == "r1-l0-s0" and policy.decide(b4_short) == Choice("pkv-graph")
     assert policy.decide(StepFeatures.of([9000] * 100, **FEATS)) == Choice("pkv-workqueue", 64)
-    # one bin step away in rows or in length: the same row bin wins (B32 just past a length edge)
+    # equally near in rows and in length: the first bin in sorted order
     rows_or_length = Policy(gpu="X", table={"r2-l3-s0": Choice("pkv-graph"),
                                             "r3-l2-s0": Choice("pkv-split", 64)})
     b32_long = StepFeatures.of([32800] + [18000] * 31, **FEATS)
     assert b32_long.bin() == "r3-l3-s0"
-    assert rows_or_length.decide(b32_long) == Choice("pkv-split", 64)
+    assert rows_or_length.decide(b32_long) == Choice("pkv-graph")
     assert policy.decide(StepFeatures.of([1400] * 4, **FEATS), pkv_only=True) == fallback_choice(
         b4_short)                                              # an empty table: the rule
 

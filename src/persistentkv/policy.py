@@ -74,19 +74,15 @@ def _bin_indices(key: str) -> tuple[int, ...]:
     return tuple(int(part[1:]) for part in key.split("-"))
 
 
-NEAREST_WEIGHTS = (2, 1, 1)   # bin steps in rows count double: the row count decides the schedule first
-
-
 def _nearest(table: dict, key: str):
-    """The table's entry for the bin nearest to `key`: fewest bin steps over rows (weighted by
-    NEAREST_WEIGHTS), longest context and spread; ties to the first key in sorted order. None
-    for an empty table."""
+    """The table's entry for the bin nearest to `key` (fewest bin steps over rows, longest context
+    and spread; ties to the first key in sorted order); None for an empty table."""
     if not table:
         return None
     want = _bin_indices(key)
 
     def distance(k: str) -> int:
-        return sum(w * abs(a - b) for w, a, b in zip(NEAREST_WEIGHTS, _bin_indices(k), want))
+        return sum(abs(a - b) for a, b in zip(_bin_indices(k), want))
 
     return table[min(sorted(table), key=distance)]
 
