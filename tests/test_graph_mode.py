@@ -1,6 +1,8 @@
 """Graph mode: planning on the GPU into static buffers, one graph for every batch composition."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged_case import DEVICE, ON_GPU
 from persistentkv import TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode, relative_error
@@ -118,6 +120,18 @@ def test_device_plan_picks_the_host_split_size(lens, one_round):
     same split size, same tasks, same partial slots (a balanced split, whole rows, one page)."""
     # 8 tasks per KV head on any GPU (one_round leaves room for the rows' rounding)
     config = KernelConfig(min_split_tokens=16, waves=16 / sm_count(torch.device(DEVICE)),
+                          one_round=one_round)
+    plan, host = _host_and_device_plans(lens, split_pages=None, config=config)
+    _assert_same_work(plan, host, len(lens))
+
+
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(1, 256), min_size=1, max_size=MAX_B), tasks=st.integers(1, 12),
+       one_round=st.booleans())
+def test_device_split_rule_matches_the_host_on_random_steps(lens, tasks, one_round):
+    """The GPU planner's split rule (balanced share, whole rows, one_round's growth and fallback,
+    even splits) gives the host's split size and tasks on random lengths and targets."""
+    config = KernelConfig(min_split_tokens=16, waves=2 * tasks / sm_count(torch.device(DEVICE)),
                           one_round=one_round)
     plan, host = _host_and_device_plans(lens, split_pages=None, config=config)
     _assert_same_work(plan, host, len(lens))
