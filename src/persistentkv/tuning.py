@@ -15,10 +15,10 @@ class KernelConfig:
     block_n: tokens per K/V tile; num_warps, num_stages: Triton's launch options (num_stages is the
     software-pipelining depth of the token loop); waves: target (row, KV head, split) tasks per SM
     when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
-    programs_per_sm: persistent programs per SM for the work-queue; one_round: the split size
-    leaves room for each row's last, partial split, so that a step's tasks stay within the
-    waves x SMs target (the tokens shared out over target - rows tasks) instead of overflowing it
-    by up to one task per row. Together (2 programs per SM, waves 2): one task per program on
+    programs_per_sm: persistent programs per SM for the work-queue; one_round: the balanced split
+    grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
+    target, instead of each row's last, partial split overflowing it by up to one task per row
+    (schedule.default_split_pages). Together (2 programs per SM, waves 2): one task per program on
     split steps, and four or more rounds of whole rows on large batches; measured best against 3
     programs per SM (which fit with 70 KB of shared memory each) on the H200 grid
     (docs/perf-notes.md, v4).

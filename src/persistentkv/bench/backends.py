@@ -312,13 +312,14 @@ def _split_variant(name: str) -> tuple[str, int] | None:
     return None
 
 
-# ':<field><value>' suffixes of a backend name: KernelConfig fields other than the default's
-CONFIG_SUFFIXES = {"warps": "num_warps", "stages": "num_stages", "pps": "programs_per_sm",
-                   "waves": "waves", "oneround": "one_round"}
+# ':<key><value>' suffixes of a backend name: a KernelConfig field and how its value is read
+CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
+                   "pps": ("programs_per_sm", int), "waves": ("waves", float),
+                   "oneround": ("one_round", lambda value: bool(int(value)))}
 
 
 def _override_suffix(overrides: dict) -> str:
-    short = {field: key for key, field in CONFIG_SUFFIXES.items()}
+    short = {field: key for key, (field, _) in CONFIG_SUFFIXES.items()}
     return "".join(f":{short[field]}{value:g}" for field, value in overrides.items())
 
 
@@ -330,26 +331,26 @@ def _with_overrides(config, overrides: dict, *, head_dim: int):
     return dataclasses.replace(config or default_config(head_dim=head_dim), **overrides)
 
 
-def _config_variant(name: str) -> tuple[str, int | None, dict] | None:
-    """'pkv-workqueue:warps8' -> ('workqueue', None, {'num_warps': 8}); 'pkv-split@32:waves3:pps2'
-    -> ('split', 32, {'waves': 3.0, 'programs_per_sm': 2}); 'pkv-graph:pps2' -> ('graph', None,
-    {...}). None for any other name."""
+def _pkv_variant(name: str) -> tuple[str, int | None, dict] | None:
+    """A variant of our schedules: 'pkv-split@32' -> ('split', 32, {}); 'pkv-workqueue:warps8' ->
+    ('workqueue', None, {'num_warps': 8}); 'pkv-split@32:waves3:pps2' -> ('split', 32,
+    {'waves': 3.0, 'programs_per_sm': 2}); 'pkv-graph:pps2' -> ('graph', None, {...}). None for
+    any other name, the plain ones included."""
     base, *options = name.split(":")
-    if not options:
-        return None
     overrides = {}
     for option in options:
         key = option.rstrip("0123456789.")
         value = option[len(key):]
         if key not in CONFIG_SUFFIXES or not value or value.count(".") > 1:
             return None
-        field = CONFIG_SUFFIXES[key]
-        overrides[field] = (float(value) if field == "waves" else bool(int(float(value)))
-                            if field == "one_round" else int(float(value)))
-    if base in ("pkv-split", "pkv-workqueue", PKV_GRAPH):
-        return base[4:], None, overrides
+        field, parse = CONFIG_SUFFIXES[key]
+        overrides[field] = parse(float(value))
     split = _split_variant(base)
-    return None if split is None else (split[0], split[1], overrides)
+    if split is not None:
+        return split[0], split[1], overrides
+    if options and base in ("pkv-split", "pkv-workqueue", PKV_GRAPH):
+        return base[4:], None, overrides
+    return None
 
 
 def make_backends(names: list[str], *, layout: str, device: torch.device,
@@ -358,10 +359,10 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
 
     Besides ALL_BACKENDS, 'pkv-split@N' and 'pkv-workqueue@N' fix the split at N pages, and
     suffixes change the launch configuration of our backends: ':warpsW', ':stagesS', ':ppsP'
-    (persistent programs per SM), ':wavesX' (target tasks per SM), e.g. 'pkv-graph:pps2'.
+    (persistent programs per SM), ':wavesX' (target tasks per SM), ':oneround0|1', e.g.
+    'pkv-graph:pps2'.
     """
-    unknown = [n for n in names if n not in ALL_BACKENDS and _split_variant(n) is None
-               and _config_variant(n) is None]
+    unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)} "
                          f"or pkv-split@N / pkv-workqueue@N (N pages per split), with optional "
@@ -387,12 +388,9 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
         xqa_ws = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
         factories["fi-xqa"] = lambda: FlashInferXQA(layout=layout, workspace=xqa_ws)
     for name in names:
-        variant = _split_variant(name)
-        config_variant = _config_variant(name)
+        variant = _pkv_variant(name)
         if variant is not None:
-            backends.append(PersistentKV(variant[0], layout=layout, split_pages=variant[1]))
-        elif config_variant is not None:
-            schedule, pages, overrides = config_variant
+            schedule, pages, overrides = variant
             backends.append(PersistentKVGraph(layout=layout, overrides=overrides)
                             if schedule == "graph" else
                             PersistentKV(schedule, layout=layout, split_pages=pages,
