@@ -6,9 +6,9 @@ interpreter (TRITON_INTERPRET=1) before any kernel is defined.
 import importlib
 
 _EXPORTS = {
-    "BACKENDS": "schedule", "DecodePlan": "wrapper", "DecodeWrapper": "wrapper",
+    "BACKENDS": "wrapper", "Choice": "schedule", "DecodePlan": "planner", "DecodeWrapper": "wrapper",
     "OutOfPagesError": "allocator", "PageAllocator": "allocator", "PageTable": "page_table",
-    "PagedKVCache": "cache", "TOLERANCE": "reference", "reference_decode": "reference",
+    "PagedKVCache": "cache", "Policy": "policy", "TOLERANCE": "reference", "reference_decode": "reference",
     "relative_error": "reference",
 }
 __all__ = sorted(_EXPORTS)

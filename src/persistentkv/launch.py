@@ -90,3 +90,120 @@ class BoundLaunch:
         if not self.interpreted:
             self.launcher.compiled[self.key] = compiled
             self._set_direct(compiled)
+
+
+class DecodeLauncher:
+    """run()'s side of a DecodeWrapper: checks run()'s arguments in full once per argument
+    signature and plan binding (shapes, dtypes, devices, strides, alignment), then launches the
+    decode kernel through a BoundLaunch; later layers only pay for the signature itself."""
+
+    def __init__(self, kv_layout: str):
+        from .kernels.decode import paged_decode_kernel   # kernels load after the interpreter choice
+
+        self.kv_layout = kv_layout
+        self._launcher = Launcher(paged_decode_kernel)
+        self._prepared: dict = {}
+
+    def run(self, plan, q, kv_cache, out, return_lse: bool):
+        """Launch one layer; returns (out, lse or None)."""
+        try:
+            if isinstance(kv_cache, torch.Tensor):
+                k = v = kv_cache
+            else:
+                k, v = kv_cache
+            qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+            op = 0 if out is None else out.data_ptr()
+            sig = (plan.launch_key, q.shape, q.dtype, q.device, q.stride(), qp % 16,
+                   k.shape, k.dtype, k.device, k.stride(), kp % 16,
+                   None if v is k else (v.shape, v.dtype, v.device, v.stride(), vp % 16),
+                   None if out is None else (out.shape, out.dtype, out.device, out.stride(), op % 16),
+                   return_lse)
+        except (AttributeError, TypeError, ValueError):
+            sig = None
+        prepared = self._prepared.get(sig)
+        if prepared is None:
+            prepared = self._prepare(plan, q, kv_cache, out, return_lse)
+            if sig is not None:
+                if len(self._prepared) > 64:   # launches of old plan bindings
+                    self._prepared.clear()
+                self._prepared[sig] = prepared
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+            op = out.data_ptr()
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        if plan.batch_size:
+            if sig is None:   # checked by _prepare: a tensor or a (k, v) pair
+                k, v = (kv_cache, kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
+                prepared(q, k, v, out, out if lse is None else lse, plan.indices)
+            else:
+                prepared.with_pointers((q, k, v, out, out if lse is None else lse, plan.indices),
+                                       [qp, kp, vp, op, op if lse is None else lse.data_ptr(),
+                                        plan.indices_ptr])
+        return out, lse
+
+    def _prepare(self, plan, q, kv_cache, out, return_lse: bool) -> BoundLaunch:
+        """Check run()'s arguments in full; the launch with everything but q, k, v, out, lse and
+        the page indices bound."""
+        from .cache import CACHE_DTYPES
+        from .checks import check_same_device, check_tensor
+        from .kernels.decode import decode_constexprs
+        from .page_inputs import cache_views
+
+        check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
+        want = (plan.batch_size, plan.num_qo_heads, plan.head_dim)
+        if tuple(q.shape) != want:
+            raise ValueError(f"q must be [batch_size, num_qo_heads, head_dim] = {list(want)} as "
+                             f"planned, got {list(q.shape)}")
+        if q.stride(-1) != 1:
+            raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
+        k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, self.kv_layout)
+        if k.dtype != q.dtype:
+            raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
+        check_same_device(plan.indices.device, q=q, kv_cache=k)
+        if (heads, page, dim) != (plan.num_kv_heads, plan.page_size, plan.head_dim):
+            raise ValueError(f"kv_cache ({self.kv_layout}) has num_kv_heads={heads}, page_size={page}, "
+                             f"head_dim={dim}; the plan has {plan.num_kv_heads}, {plan.page_size}, "
+                             f"{plan.head_dim}")
+        if plan.max_page_index >= num_pages:
+            raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
+                             f"pool of {num_pages} pages")
+        if out is None:
+            out_strides, out_align = (q.shape[1] * q.shape[2], q.shape[2], 1), 0
+        else:
+            check_tensor("out", out, dtype=q.dtype, dim=3)
+            if out.shape != q.shape or out.device != q.device or out.stride(-1) != 1:
+                raise ValueError(f"out must be like q ({list(q.shape)} on {q.device}, contiguous "
+                                 f"along head_dim), got {list(out.shape)} on {out.device}")
+            if q.shape[0] * q.shape[1] > 1 and 0 in out.stride()[:2]:
+                raise ValueError(f"out must not overlap itself, got strides {out.stride()}")
+            out_strides, out_align = out.stride(), out.data_ptr() % 16
+        stride_page, stride_head, stride_tok = cache_strides(k, self.kv_layout)
+        # V's offset from the pointer passed for it: the pool's K/V stride, or 0 for a (k, v) pair
+        stride_kv = kv_cache.stride(1) if isinstance(kv_cache, torch.Tensor) else 0
+        strides = (q.stride(0), q.stride(1), out_strides[0], out_strides[1], stride_page, stride_head,
+                   stride_tok, stride_kv)
+        ws = plan.workspace
+        fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, *strides,
+                 plan.sm_scale * LOG2_E)
+        constexprs = decode_constexprs(
+            num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
+            head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.block_n,
+            return_lse=return_lse, upcast=interpreting())
+        # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
+        # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
+        # allocator, always aligned).
+        key = (tuple(constexprs.values()), q.dtype, strides, q.data_ptr() % 16, out_align,
+               k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16)
+        return self._launcher.bind(grid=(plan.programs,), key=key, fixed=fixed,
+                                   constexprs=constexprs, num_warps=plan.config.num_warps,
+                                   num_stages=plan.config.num_stages, device_index=q.device.index)
+
+
+LOG2_E = 1.4426950408889634
+
+
+def cache_strides(k: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:
+    """(page, head, token) strides of K in elements: k is [P, H, S, D] (HND) or [P, S, H, D] (NHD)."""
+    if kv_layout == "HND":
+        return k.stride(0), k.stride(1), k.stride(2)
+    return k.stride(0), k.stride(2), k.stride(1)

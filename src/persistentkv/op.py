@@ -1,25 +1,26 @@
 """The decode as a registered PyTorch op, so that torch.compile(fullgraph=True) traces through it.
 
 `DecodeWrapper.run` calls it while torch.compile traces; eager calls take the wrapper's own lean
-launch path. The op mutates only the wrapper's workspace (partials and merge counters, which the
-kernel leaves at zero).
+launch path. The op mutates only the plan's workspace (partials, merge counters and the claim
+counter, which the kernel leaves at zero).
 """
 from __future__ import annotations
 
 import torch
 
 from .kernels.decode import decode_constexprs, paged_decode_kernel
+from .launch import LOG2_E, cache_strides
+from .page_inputs import cache_views
 from .runtime import interpreting
 
 
-@torch.library.custom_op("persistentkv::paged_decode", mutates_args=("part_o", "part_lse", "counters"))
+@torch.library.custom_op("persistentkv::paged_decode",
+                         mutates_args=("info", "part_o", "part_lse", "counters"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                 meta: torch.Tensor, tasks: torch.Tensor, plan_info: torch.Tensor | None,
-                 part_o: torch.Tensor,
+                 tasks: torch.Tensor, info: torch.Tensor, part_o: torch.Tensor,
                  part_lse: torch.Tensor, counters: torch.Tensor, cache_strides: list[int],
-                 split_tokens: int, sm_scale: float, num_kv_heads: int, page_size: int,
-                 persistent: bool, grid: list[int], block_n: int, num_warps: int,
-                 num_stages: int) -> torch.Tensor:
+                 sm_scale: float, num_kv_heads: int, page_size: int, programs: int, block_n: int,
+                 num_warps: int, num_stages: int) -> torch.Tensor:
     """out [B, Hq, D] = paged decode attention of q [B, Hq, D] (see kernels/decode.py).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
@@ -28,21 +29,35 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     out = torch.empty((batch, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    group = num_qo_heads // num_kv_heads
-    paged_decode_kernel[tuple(grid)](
-        q, k, v, out, out, indices, meta, tasks, meta if plan_info is None else plan_info, part_o,
-        part_lse, counters, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-        batch, tasks.shape[1], tasks.shape[1], split_tokens, sm_scale * 1.4426950408889634,
-        **decode_constexprs(num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                            page_size=page_size, block_n=block_n, persistent=persistent,
-                            tasks_on_device=plan_info is not None, return_lse=False,
-                            upcast=interpreting()),
+    paged_decode_kernel[(programs,)](
+        q, k, v, out, out, indices, tasks, info, part_o, part_lse, counters,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, sm_scale * LOG2_E,
+        **decode_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
+                            head_dim=head_dim, page_size=page_size, block_n=block_n,
+                            return_lse=False, upcast=interpreting()),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k, v, indices, meta, tasks, plan_info, part_o, part_lse, counters, cache_strides,
-                       split_tokens, sm_scale, num_kv_heads, page_size, persistent, grid, block_n,
-                       num_warps, num_stages):
+def _paged_decode_fake(q, k, v, indices, tasks, info, part_o, part_lse, counters, cache_strides,
+                       sm_scale, num_kv_heads, page_size, programs, block_n, num_warps, num_stages):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def traced_decode(plan, q, kv_cache, out, return_lse: bool, *, kv_layout: str) -> torch.Tensor:
+    """run() under torch.compile: the registered op, which the compiler can trace."""
+    if out is not None or return_lse:
+        raise ValueError("under torch.compile, run() returns a new output and no lse: "
+                         "call it without out= and return_lse=")
+    k, v, _ = cache_views(kv_cache, kv_layout)
+    strides = list(cache_strides(k, kv_layout))
+    if isinstance(kv_cache, torch.Tensor):
+        k = v = kv_cache
+        strides.append(kv_cache.stride(1))
+    else:
+        strides.append(0)
+    ws, cfg = plan.workspace, plan.config
+    return paged_decode(q, k, v, plan.indices, ws.tasks, ws.info, ws.part_o, ws.part_lse,
+                        ws.counters, strides, plan.sm_scale, plan.num_kv_heads, plan.page_size,
+                        plan.programs, cfg.block_n, cfg.num_warps, cfg.num_stages)

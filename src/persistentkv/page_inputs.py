@@ -4,6 +4,8 @@ Every error names the argument and the value it got.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -46,6 +48,10 @@ def check_csr_shapes(kv_indptr, kv_indices, kv_last_page_len) -> int:
     check_tensor("kv_indices", kv_indices, dtype=torch.int32, dim=1)
     check_tensor("kv_last_page_len", kv_last_page_len, dtype=torch.int32, dim=1)
     batch = kv_last_page_len.shape[0]
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                    ("kv_last_page_len", kv_last_page_len)):
+        if t.shape[0] > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}")
     if kv_indptr.shape[0] != batch + 1:
         raise ValueError(f"kv_indptr must have batch_size + 1 = {batch + 1} entries (kv_last_page_len "
                          f"has {batch}), got {kv_indptr.shape[0]}")
@@ -59,22 +65,87 @@ def check_block_shapes(block_table, seq_lens) -> int:
     if block_table.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"block_table has {block_table.shape[0]} rows but seq_lens has "
                          f"{seq_lens.shape[0]} entries")
-    if block_table.shape[0] and block_table.stride(1) != 1:
+    if seq_lens.shape[0] > 1 and seq_lens.stride(0) != 1:
+        raise ValueError(f"seq_lens must be contiguous, got stride {seq_lens.stride(0)}")
+    if block_table.shape[0] and block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise ValueError(f"block_table must be contiguous along its last dim, got strides "
                          f"{block_table.stride()}")
     return block_table.shape[0]
 
 
-def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int, *, bounds: bool = True):
-    """(seq_lens, page_starts, (lo, hi), exact_used) from FlashInfer's CSR page table, checked.
+@dataclass(frozen=True)
+class PageTableArgs:
+    """A step's page table as the planner takes it. leading: (indptr, last, lens) on the device
+    (the block form passes seq_lens for all three); pages: page entries the table holds (kv_indices' length, or rows x width);
+    max_page: the largest used page index when the values were checked, else -1."""
 
-    lo, hi: bounds of all of kv_indices (a superset of the used entries, read with the lengths in
-    one copy; (0, -1) when bounds=False); exact_used() gives the used entries, for when the bounds
-    are not conclusive."""
-    check_csr_shapes(kv_indptr, kv_indices, kv_last_page_len)
-    check_metadata_device(kv_indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
-    (indptr, last), lo, hi = host_values(kv_indptr, kv_last_page_len,
-                                         bounds_of=kv_indices if bounds else None)
+    csr: bool
+    indices: torch.Tensor
+    leading: tuple
+    rows: int
+    pages: int
+    max_row_pages: int | None
+    num_indices: int
+    row_stride: int
+    width: int
+    max_page: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+
+def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, block_table=None,
+                    seq_lens=None, page_size: int, check_values: bool) -> PageTableArgs:
+    """The CSR triple or block_table + seq_lens, checked: dtypes, shapes, strides and devices
+    always (no device read); lengths and page indices too with check_values (one or two
+    device-to-host copies: a synchronization). Lengths and offsets on the host are copied to the
+    device without waiting for it."""
+    csr, block = (kv_indptr, kv_indices, kv_last_page_len), (block_table, seq_lens)
+    if all(t is not None for t in csr) and all(t is None for t in block):
+        rows = check_csr_shapes(*csr)
+        indices = kv_indices
+        check_metadata_device(indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
+        max_page = _checked_csr(*csr, page_size) if check_values else -1
+        indptr, last = (_on_device(t, indices.device) for t in (kv_indptr, kv_last_page_len))
+        leading, pages, max_row_pages = (indptr, last, last), indices.shape[0], None
+        row_stride = width = 0
+    elif all(t is not None for t in block) and all(t is None for t in csr):
+        rows = check_block_shapes(*block)
+        indices = block_table
+        check_metadata_device(indices.device, seq_lens=seq_lens)
+        max_page = _checked_block(*block, page_size) if check_values else -1
+        lens = _on_device(seq_lens, indices.device)
+        leading, width = (lens, lens, lens), block_table.shape[1]
+        pages, max_row_pages, row_stride = rows * width, width, block_table.stride(0)
+    else:
+        raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
+                         "block_table and seq_lens, not a mix")
+    return PageTableArgs(csr=indices is kv_indices, indices=indices, leading=leading, rows=rows,
+                         pages=pages, max_row_pages=max_row_pages, num_indices=indices.numel(),
+                         row_stride=row_stride, width=width, max_page=max_page)
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`; from the host through pinned memory, so the copy does not wait for the device."""
+    if t.device == device:
+        return t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _used_max(used: torch.Tensor) -> int:
+    """The largest of the used page indices (-1 for none); a negative one is a ValueError."""
+    if not used.numel():
+        return -1
+    lo, hi = (int(x) for x in torch.aminmax(used))
+    if lo < 0:
+        raise ValueError(f"page index {lo} in the page table is negative")
+    return hi
+
+
+def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> int:
+    """The CSR table's values checked; returns the largest used page index."""
+    (indptr, last), _, _ = host_values(kv_indptr, kv_last_page_len, bounds_of=None)
     if indptr[0] != 0:
         raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
     pages = np.diff(indptr)
@@ -89,34 +160,25 @@ def csr_rows(kv_indptr, kv_indices, kv_last_page_len, page_size: int, *, bounds:
     if len(bad):
         r = int(bad[0])
         raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
-    seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-    return seq_lens, indptr[:-1], (lo, hi), lambda: kv_indices[: int(indptr[-1])]
+    return _used_max(kv_indices[: int(indptr[-1])])
 
 
-def block_rows(block_table, seq_lens, page_size: int, *, bounds: bool = True):
-    """(seq_lens, page_starts, (lo, hi), exact_used) from vLLM's block_table + seq_lens, checked.
-
-    lo, hi: bounds of the whole block_table (read with seq_lens in one copy; (0, -1) when
-    bounds=False); exact_used() gives the entries the rows use, for when padding makes the bounds
-    inconclusive."""
-    check_block_shapes(block_table, seq_lens)
-    check_metadata_device(block_table.device, seq_lens=seq_lens)
-    (lens,), lo, hi = host_values(seq_lens, bounds_of=block_table if bounds else None)
-    width = block_table.shape[1]
-    over = np.flatnonzero(-(-lens // page_size) > width)
+def _checked_block(block_table, seq_lens, page_size: int) -> int:
+    """The block table's values checked; returns the largest used page index (entries past a
+    row's pages are padding, not read)."""
+    (lens,), _, _ = host_values(seq_lens, bounds_of=None)
+    if (lens < 0).any():
+        r = int(np.flatnonzero(lens < 0)[0])
+        raise ValueError(f"seq_lens[{r}]={lens[r]} is negative")
+    pages = -(-lens // page_size)
+    over = np.flatnonzero(pages > block_table.shape[1])
     if len(over):
         r = int(over[0])
-        raise ValueError(f"seq_lens[{r}]={lens[r]} needs {-(-lens[r] // page_size)} pages of "
-                         f"{page_size} tokens, but block_table has only {width} per row")
-    pages = -(-lens // page_size)
-    starts = np.arange(len(lens), dtype=np.int64) * block_table.stride(0)
-
-    def exact() -> torch.Tensor:   # the used entries: a ragged prefix of each row
-        dense = block_table[:, : int(pages.max()) if len(pages) else 0]
-        cols = torch.arange(dense.shape[1], device=dense.device)[None, :]
-        return dense[cols < torch.from_numpy(pages).to(dense.device)[:, None]]
-
-    return lens, starts, (lo, hi), exact
+        raise ValueError(f"seq_lens[{r}]={lens[r]} needs {pages[r]} pages of {page_size} tokens, "
+                         f"but block_table has only {block_table.shape[1]} per row")
+    dense = block_table[:, : int(pages.max()) if len(pages) else 0]
+    cols = torch.arange(dense.shape[1], device=dense.device)[None, :]
+    return _used_max(dense[cols < torch.from_numpy(pages).to(dense.device)[:, None]])
 
 
 def cache_views(kv_cache, layout: str):

@@ -1,12 +1,11 @@
 """Paged GQA decode: one program computes every query head of one KV-head group over a token range.
 
-A task is (row, KV head, split): tokens [split * split_tokens, min((split + 1) * split_tokens, seq_len))
-of the row. Each K/V tile is loaded once and used for all GROUP query heads (padded to G_PAD >= 16 rows
-for tl.dot). A row read by one task writes its output directly; a row cut into several tasks writes
-normalized partials (o, lse) that merge.py combines.
+A task is (row, KV head, split): tokens [tok_lo, tok_hi) of the row, as the planner wrote them
+(kernels/plan.py). Each K/V tile is loaded once and used for all GROUP query heads (padded to
+G_PAD >= 16 rows for tl.dot). A row read by one task writes its output directly; a row cut into
+several tasks writes normalized partials (o, lse) that merge.py combines.
 
-Grid: (rows, KV heads, max splits) for the split/grouped schedules (empty splits do nothing), or
-(programs,) for the persistent work-queue, each program walking tasks pid, pid + programs, ...
+Grid: (programs,), persistent: each program runs one item, then claims the next from a counter.
 """
 import triton
 import triton.language as tl
@@ -62,24 +61,17 @@ def _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, of
 
 
 @triton.jit
-def _decode_task(row, kv_head, split,
-                 q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
+def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
+                 q_ptr, k_ptr, v_ptr, indices_ptr,
                  out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                  stride_qb, stride_qh, stride_ob, stride_oh,
-                 stride_page, stride_head, stride_tok, stride_kv,
-                 num_rows, split_tokens, scale_log2,
+                 stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
-    seq_len = tl.load(meta_ptr + row)
-    page_start = tl.load(meta_ptr + num_rows + row).to(tl.int64)
-    slot_start = tl.load(meta_ptr + 2 * num_rows + row)
-    tok_lo = split * split_tokens
-    tok_hi = tl.minimum(tok_lo + split_tokens, seq_len)
-
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     g_mask = offs_g < GROUP
@@ -92,94 +84,91 @@ def _decode_task(row, kv_head, split,
         q = q.to(tl.float32)
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
     acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
-                                  page_start,
-                                  tok_lo, tok_hi, stride_page, stride_tok, offs_d, d_mask,
-                                  scale_log2, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, UPCAST)
-    if tok_lo < tok_hi:
-        l_safe = tl.where(g_mask, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        lse2 = m_i + tl.math.log2(l_safe)
-        if slot_start < 0:                      # the row is one task: write the output directly
-            _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
-                         g_mask, NUM_QO_HEADS, RETURN_LSE)
-        else:                                   # write the partial; the last task merges the row
-            slot = (slot_start + split).to(tl.int64)
-            tl.store(part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :],
-                     o, mask=mask)
-            tl.store(part_lse_ptr + slot * NUM_QO_HEADS + heads, lse2, mask=g_mask)
-            tl.debug_barrier()                  # every thread's partial stores precede the release
-            counter = counters_ptr + row * NUM_KV_HEADS + kv_head
-            num_splits = tl.cdiv(seq_len, split_tokens)
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == num_splits - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
-                o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
-                                         num_splits, kv_head * GROUP, NUM_QO_HEADS, GROUP, G_MERGE,
-                                         HEAD_DIM, D_PAD)
-                offs_m = tl.arange(0, G_MERGE)
-                m_mask = offs_m < GROUP
-                _store_final(o_row, lse_row, row, kv_head * GROUP + offs_m, out_ptr, lse_ptr, stride_ob,
-                             stride_oh, offs_d, m_mask[:, None] & d_mask[None, :], m_mask,
-                             NUM_QO_HEADS, RETURN_LSE)
+                                  page_start.to(tl.int64), tok_lo, tok_hi, stride_page, stride_tok,
+                                  offs_d, d_mask, scale_log2, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N,
+                                  UPCAST)
+    l_safe = tl.where(g_mask, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse2 = m_i + tl.math.log2(l_safe)
+    if slot_start < 0:                      # the row is one task: write the output directly
+        _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
+                     g_mask, NUM_QO_HEADS, RETURN_LSE)
+    else:                                   # write the partial; the last task merges the row
+        slot = (slot_start + split).to(tl.int64)
+        tl.store(part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+                 o, mask=mask)
+        tl.store(part_lse_ptr + slot * NUM_QO_HEADS + heads, lse2, mask=g_mask)
+        tl.debug_barrier()                  # every thread's partial stores precede the release
+        counter = counters_ptr + row * NUM_KV_HEADS + kv_head
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next launch
+            o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
+                                            num_splits, kv_head * GROUP, NUM_QO_HEADS, GROUP,
+                                            G_MERGE, HEAD_DIM, D_PAD)
+            offs_m = tl.arange(0, G_MERGE)
+            m_mask = offs_m < GROUP
+            _store_final(o_row, lse_row, row, kv_head * GROUP + offs_m, out_ptr, lse_ptr, stride_ob,
+                         stride_oh, offs_d, m_mask[:, None] & d_mask[None, :], m_mask,
+                         NUM_QO_HEADS, RETURN_LSE)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_tasks", "task_capacity", "split_tokens"])
-def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-                        indices_ptr, meta_ptr, tasks_ptr, plan_info_ptr,
-                        part_o_ptr, part_lse_ptr, counters_ptr,
+@triton.jit
+def _load_task(tasks_ptr, item, valid, NUM_KV_HEADS: tl.constexpr):
+    """Item -> (row, split, tok_lo, tok_hi, page_start, slot_start, num_splits) of its task
+    record (independent loads from one 32-byte record); zeros where not valid."""
+    rec = tasks_ptr + (item // NUM_KV_HEADS).to(tl.int64) * 8
+    return (tl.load(rec, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
+            tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
+            tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
+            tl.load(rec + 6, mask=valid, other=0))
+
+
+@triton.jit
+def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
+                        tasks_ptr, info_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
-                        stride_page, stride_head, stride_tok, stride_kv,
-                        num_rows, num_tasks, task_capacity, split_tokens, scale_log2,
+                        stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
-                        PERSISTENT: tl.constexpr,
-                        TASKS_ON_DEVICE: tl.constexpr, RETURN_LSE: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
 
-    meta: int32 [3, num_rows] = (seq_len, first entry of the row in indices, first partial slot or -1).
-    tasks: int32 [2, task_capacity] = (row, split), read only when PERSISTENT; the task count and
-    the split size are num_tasks and split_tokens, or with TASKS_ON_DEVICE (planned on the GPU) the
-    int32 pair at plan_info_ptr. counters: int32 [num_rows, NUM_KV_HEADS], zero between launches
-    (the merging task resets its own). The pointers that change from call to call (q, k, v, out,
-    lse) come first, the plan's own after them.
+    tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
+    the task count at 0 and the claim counter at 3. Items are (task, KV head) pairs, item =
+    task * NUM_KV_HEADS + kv_head. Grid: (programs,), persistent: program p runs item p, then
+    claims item programs + c, c = 0, 1, ... from the counter (one claim per item run, issued
+    before the item so that its latency hides behind it). The claim that draws the last value
+    resets the counter for the next launch. counters: int32 [rows, NUM_KV_HEADS], zero between
+    launches (the merging task resets its own).
     """
-    if PERSISTENT:
-        if TASKS_ON_DEVICE:
-            num_tasks = tl.load(plan_info_ptr)
-            split_tokens = tl.load(plan_info_ptr + 1)
-        # Program p takes items p, p + programs, ...: the GPU hands out consecutive programs to
-        # different SMs first (scripts/probe_dispatch.py), so the busy programs of a step with fewer
-        # items than programs (graph mode sizes the grid for its largest step) are spread over the
-        # SMs.
-        for t in tl.range(tl.program_id(0), num_tasks * NUM_KV_HEADS, tl.num_programs(0)):
-            task = t // NUM_KV_HEADS
-            row = tl.load(tasks_ptr + task)
-            split = tl.load(tasks_ptr + task_capacity + task)
-            _decode_task(row, t % NUM_KV_HEADS, split, q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
-                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
-                         stride_qb, stride_qh, stride_ob, stride_oh,
-                         stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
-                         scale_log2,
-                         NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                         G_MERGE, RETURN_LSE, UPCAST)
-    else:
-        _decode_task(tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                     q_ptr, k_ptr, v_ptr, indices_ptr, meta_ptr,
+    programs = tl.num_programs(0)
+    item = tl.program_id(0)
+    # the first task record loads beside the task count, not after it
+    row, split, tok_lo, tok_hi, page_start, slot_start, num_splits = _load_task(
+        tasks_ptr, item, True, NUM_KV_HEADS)
+    num_items = tl.load(info_ptr) * NUM_KV_HEADS
+    while item < num_items:
+        claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")
+        if claim == num_items - 1:       # the last of the launch's num_items claims
+            tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
+        _decode_task(row, item % NUM_KV_HEADS, split, tok_lo, tok_hi, page_start, slot_start,
+                     num_splits, q_ptr, k_ptr, v_ptr, indices_ptr,
                      out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                      stride_qb, stride_qh, stride_ob, stride_oh,
-                     stride_page, stride_head, stride_tok, stride_kv, num_rows, split_tokens,
-                     scale_log2,
+                     stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                      NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                      G_MERGE, RETURN_LSE, UPCAST)
+        item = programs + claim
+        row, split, tok_lo, tok_hi, page_start, slot_start, num_splits = _load_task(
+            tasks_ptr, item, item < num_items, NUM_KV_HEADS)
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
-                      persistent: bool, tasks_on_device: bool, return_lse: bool,
-                      upcast: bool) -> dict:
+                      return_lse: bool, upcast: bool) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order."""
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
                 HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size,
-                BLOCK_N=block_n, G_MERGE=next_power_of_2(group), PERSISTENT=persistent,
-                TASKS_ON_DEVICE=tasks_on_device, RETURN_LSE=return_lse, UPCAST=upcast)
+                BLOCK_N=block_n, G_MERGE=next_power_of_2(group), RETURN_LSE=return_lse,
+                UPCAST=upcast)

@@ -1,92 +1,148 @@
-"""Planning on the GPU: the work-queue of a step built from the page table already on the device.
+"""The planner: one launch turns a step's page table, already on the device, into its task list.
 
-No value travels to the host, so plan + run can sit in one CUDA graph that serves every batch
-composition up to the buffers' capacity (rows of length 0 are inactive).
+It computes the step's features (active rows, longest row, total tokens), looks the schedule up in
+the policy's decision table (a small device tensor) or takes the one given, picks the split size
+by the one split rule, and writes the tasks longest first. Nothing travels to the host, so plan +
+run can sit in one CUDA graph that serves every batch composition up to the buffers' capacity.
 """
 import triton
 import triton.language as tl
 
+TASK_FIELDS = 8   # int32 per task record: (row, split, tok_lo, tok_hi, page_start, slot_start,
+                  # num_splits, unused)
+INFO_FIELDS = 8   # int32 plan info: (task count, split tokens, choice code, claim counter,
+                  # tasks that did not fit, unused...)
+POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
+
 
 @triton.jit
-def plan_workqueue_kernel(indptr_ptr, last_ptr, lens_ptr, meta_ptr, tasks_ptr, plan_info_ptr,
-                          num_rows, task_capacity, fixed_split_tokens, block_table_stride,
-                          target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
-                          one_round_slack,
-                          PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                          BLOCK_SPLITS: tl.constexpr, CSR: tl.constexpr, ADAPTIVE: tl.constexpr,
-                          ONE_ROUND_STEPS: tl.constexpr):
-    """Program b: row b's meta (seq_len, page start, partial slot or -1) and its tasks.
+def _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
+                whole_row_min_rows, whole_row_slack, one_round_slack,
+                PAGE_SIZE: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr):
+    """The default split size in tokens (schedule.py describes the rule)."""
+    split = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks).to(tl.int32))
+    if (active_rows >= whole_row_min_rows) & (max_len.to(tl.float32)
+                                              <= whole_row_slack * split.to(tl.float32)):
+        split = max_len
+    split = tl.maximum(tl.cdiv(split, PAGE_SIZE), 1) * PAGE_SIZE
+    if ONE_ROUND_STEPS > 0:   # grow until the tasks fit in target_tasks, by at most one_round_slack
+        balanced = split
+        count = tl.sum(tl.cdiv(lens, split), axis=0)
+        for _ in tl.static_range(ONE_ROUND_STEPS):
+            row_splits = tl.cdiv(lens, split)
+            fewer = tl.min(tl.where(row_splits > 1, tl.cdiv(lens, tl.maximum(row_splits - 1, 1)),
+                                    1 << 30), axis=0)
+            grow = (count > target_tasks) & (fewer < (1 << 30))
+            split = tl.where(grow, tl.cdiv(fewer, PAGE_SIZE) * PAGE_SIZE, split)
+            count = tl.sum(tl.cdiv(lens, split), axis=0)
+        if (count > target_tasks) | (split.to(tl.float32) > one_round_slack * balanced.to(tl.float32)):
+            split = balanced
+    row_splits = tl.maximum(tl.cdiv(lens, split), 1)   # even splits: fewest pages, same counts
+    even = tl.max(tl.cdiv(lens, row_splits), axis=0)
+    return tl.maximum(tl.cdiv(even, PAGE_SIZE), 1) * PAGE_SIZE
 
-    CSR: seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without pages), page
-    start = indptr[b]; else seq_len = lens[b], page start = b * block_table_stride.
-    Split size: fixed_split_tokens, or with ADAPTIVE the host's rule (schedule.default_split_pages)
-    on the step's own lengths: the tokens shared out as target_tasks tasks per KV head, each at
-    least min_split_tokens; whole rows when at least whole_row_min_rows rows are active and no row
-    is longer than whole_row_slack x that share; rounded up to whole pages; with ONE_ROUND_STEPS >
-    0, grown (by at most one_round_slack) until the tasks fit in target_tasks; then the fewest
-    pages that keep every row's split count (even splits).
-    Tasks (row, split) for split < cdiv(seq_len, split) go at the exclusive prefix sum of the
-    rows' split counts; program 0 writes (task count, split tokens) to plan_info.
+
+@triton.jit
+def _policy_code(edges_ptr, codes_ptr, active_rows, max_len, total, n_len_bins, n_spread_bins,
+                 EDGES: tl.constexpr):
+    """The decision table's code for the step's bin: (rows, longest row, spread = longest / mean),
+    each binned by its edges as bisect_left does (the count of edges below the value)."""
+    e = tl.arange(0, EDGES)
+    rows = active_rows.to(tl.float64)
+    longest = max_len.to(tl.float64)
+    spread = tl.where(total > 0, longest * rows / tl.maximum(total, 1).to(tl.float64), 1.0)
+    r = tl.sum((tl.load(edges_ptr + e) < rows).to(tl.int32), axis=0)
+    l_bin = tl.sum((tl.load(edges_ptr + EDGES + e) < longest).to(tl.int32), axis=0)
+    s = tl.sum((tl.load(edges_ptr + 2 * EDGES + e) < spread).to(tl.int32), axis=0)
+    return tl.load(codes_ptr + (r * n_len_bins + l_bin) * n_spread_bins + s)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
+                               "task_capacity", "choice", "target_tasks", "min_split_tokens",
+                               "whole_row_min_rows", "n_len_bins", "n_spread_bins"])
+def plan_kernel(indptr_ptr, last_ptr, lens_ptr, edges_ptr, codes_ptr, tasks_ptr, info_ptr,
+                num_rows, num_indices, block_table_stride, block_table_width, task_capacity,
+                choice, target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
+                one_round_slack, n_len_bins, n_spread_bins,
+                PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
+                EDGES: tl.constexpr):
+    """Program b writes row b's tasks; program 0 also writes the plan info.
+
+    Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
+    pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
+    Lengths are clamped to what the table holds, so a bad table cannot send a read past it.
+    Choice code (POLICY: from the decision table, else `choice`): -1 whole rows, 0 the default
+    split rule, n > 0 splits of n pages. Task order: every row's splits but its last (all of the
+    split size) in row order, then the rows' last splits, longest first. A step whose tasks do not
+    fit in task_capacity plans no task and reports their count in info[4].
     Grid: (num_rows,).
     """
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_ROWS)
     in_batch = offs < num_rows
     if CSR:
-        lo = tl.load(indptr_ptr + offs, mask=in_batch, other=0)
-        hi = tl.load(indptr_ptr + offs + 1, mask=in_batch, other=0)
-        last = tl.load(last_ptr + offs, mask=in_batch, other=0)
+        lo = tl.minimum(tl.maximum(tl.load(indptr_ptr + offs, mask=in_batch, other=0), 0), num_indices)
+        hi = tl.minimum(tl.load(indptr_ptr + offs + 1, mask=in_batch, other=0), num_indices)
+        last = tl.minimum(tl.maximum(tl.load(last_ptr + offs, mask=in_batch, other=1), 1), PAGE_SIZE)
         lens = tl.where(hi > lo, (hi - lo - 1) * PAGE_SIZE + last, 0)
     else:
+        lo = offs * block_table_stride
         lens = tl.load(lens_ptr + offs, mask=in_batch, other=0)
-    if ADAPTIVE:
-        total = tl.sum(lens, axis=0)
-        max_len = tl.max(lens, axis=0)
-        active = tl.sum((lens > 0).to(tl.int32), axis=0)
-        split_tokens = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks))
-        if (active >= whole_row_min_rows) & (max_len.to(tl.float32)
-                                             <= whole_row_slack * split_tokens.to(tl.float32)):
-            split_tokens = max_len
-        split_tokens = tl.maximum(tl.cdiv(split_tokens, PAGE_SIZE), 1) * PAGE_SIZE
-        if ONE_ROUND_STEPS > 0:   # schedule._one_round_split
-            balanced = split_tokens
-            count = tl.sum(tl.cdiv(lens, split_tokens), axis=0)
-            for _ in tl.static_range(ONE_ROUND_STEPS):
-                row_splits = tl.cdiv(lens, split_tokens)
-                fewer = tl.min(tl.where(row_splits > 1, tl.cdiv(lens, tl.maximum(row_splits - 1, 1)),
-                                        1 << 30), axis=0)
-                grow = (count > target_tasks) & (fewer < (1 << 30))
-                split_tokens = tl.where(grow, tl.cdiv(fewer, PAGE_SIZE) * PAGE_SIZE, split_tokens)
-                count = tl.sum(tl.cdiv(lens, split_tokens), axis=0)
-            if (count > target_tasks) | (split_tokens.to(tl.float32)
-                                         > one_round_slack * balanced.to(tl.float32)):
-                split_tokens = balanced
-        row_splits = tl.maximum(tl.cdiv(lens, split_tokens), 1)
-        even_tokens = tl.max(tl.cdiv(lens, row_splits), axis=0)
-        split_tokens = tl.maximum(tl.cdiv(even_tokens, PAGE_SIZE), 1) * PAGE_SIZE
+        lens = tl.minimum(tl.maximum(lens, 0), block_table_width * PAGE_SIZE)
+    active = lens > 0
+    active_rows = tl.sum(active.to(tl.int32), axis=0)
+    max_len = tl.max(lens, axis=0)
+    total = tl.sum(lens.to(tl.int64), axis=0)
+
+    if POLICY:
+        code = _policy_code(edges_ptr, codes_ptr, active_rows, max_len, total, n_len_bins,
+                            n_spread_bins, EDGES)
     else:
-        split_tokens = fixed_split_tokens
-    splits = tl.cdiv(lens, split_tokens)                                     # [BLOCK_ROWS], 0 if inactive
-    first_task = tl.cumsum(splits, axis=0) - splits
-    partial_slots = tl.where(splits > 1, splits, 0)
-    first_slot = tl.cumsum(partial_slots, axis=0) - partial_slots
+        code = choice
+    split = _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
+                        whole_row_min_rows, whole_row_slack, one_round_slack, PAGE_SIZE,
+                        ONE_ROUND_STEPS)
+    split = tl.where(code > 0, code * PAGE_SIZE, split)
+    split = tl.where(code < 0, tl.maximum(tl.cdiv(max_len, PAGE_SIZE), 1) * PAGE_SIZE, split)
+
+    splits = tl.where(active, tl.cdiv(lens, split), 0)                          # [BLOCK_ROWS]
+    num_tasks = tl.sum(splits, axis=0)
+    fits = num_tasks <= task_capacity
+    full = tl.where(active, splits - 1, 0)            # splits of exactly `split` tokens
+    first_full = tl.cumsum(full, axis=0) - full
+    last_len = tl.where(active, lens - (splits - 1) * split, 0)
+    multi = tl.where(splits > 1, splits, 0)
+    first_slot = tl.cumsum(multi, axis=0) - multi
+
     mine = offs == row
     my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
     my_splits = tl.sum(tl.where(mine, splits, 0), axis=0)
-    my_first = tl.sum(tl.where(mine, first_task, 0), axis=0)
+    my_first = tl.sum(tl.where(mine, first_full, 0), axis=0)
+    my_last = tl.sum(tl.where(mine, last_len, 0), axis=0)
     my_slot = tl.where(my_splits > 1, tl.sum(tl.where(mine, first_slot, 0), axis=0), -1)
-    if CSR:
-        page_start = tl.load(indptr_ptr + row)
-    else:
-        page_start = row * block_table_stride
-    tl.store(meta_ptr + row, my_len)
-    tl.store(meta_ptr + num_rows + row, page_start)
-    tl.store(meta_ptr + 2 * num_rows + row, my_slot)
+    my_start = tl.sum(tl.where(mine, lo, 0), axis=0)
+    longer = active & ((last_len > my_last) | ((last_len == my_last) & (offs < row)))
+    last_at = tl.sum(full, axis=0) + tl.sum(longer.to(tl.int32), axis=0)
+
+    fields = tl.arange(0, 8)[None, :]
     for s in tl.range(0, my_splits, BLOCK_SPLITS):
-        split = s + tl.arange(0, BLOCK_SPLITS)
-        ok = split < my_splits
-        tl.store(tasks_ptr + my_first + split, row + split * 0, mask=ok)
-        tl.store(tasks_ptr + task_capacity + my_first + split, split, mask=ok)
+        j = s + tl.arange(0, BLOCK_SPLITS)[:, None]                                # [S, 1]
+        at = tl.where(j < my_splits - 1, my_first + j, last_at)
+        tok_lo = j * split
+        tok_hi = tl.minimum(tok_lo + split, my_len)
+        record = tl.where(fields == 0, row, j)
+        record = tl.where(fields == 2, tok_lo, record)
+        record = tl.where(fields == 3, tok_hi, record)
+        record = tl.where(fields == 4, my_start, record)
+        record = tl.where(fields == 5, my_slot, record)
+        record = tl.where(fields == 6, my_splits, record)
+        record = tl.where(fields == 7, 0, record)
+        tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record,
+                 mask=(j < my_splits) & fits)
     if row == 0:
-        tl.store(plan_info_ptr, tl.sum(splits, axis=0))
-        tl.store(plan_info_ptr + 1, split_tokens)
+        tl.store(info_ptr, tl.where(fits, num_tasks, 0))
+        tl.store(info_ptr + 1, split)
+        tl.store(info_ptr + 2, code)
+        tl.store(info_ptr + 3, 0)                        # the decode kernel's claim counter
+        tl.store(info_ptr + 4, tl.where(fits, 0, num_tasks))

@@ -1,0 +1,226 @@
+"""The planner's host side: one plan type, one device launch per step, in every mode.
+
+`Planner.plan` checks what it can without reading the device (shapes, dtypes, devices; the page
+table's values only when asked), keeps the device buffers big enough (`Workspace`), and launches
+the planner kernel (kernels/plan.py), which reads the page table, decides the schedule (from the
+policy's device table, or the one given) and writes the task list. It never waits for the device
+unless check_page_table is set. A plan() with the same page-table tensors and options as the
+last one only relaunches the planner.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .kernels.plan import INFO_FIELDS, POLICY_EDGES, TASK_FIELDS, plan_kernel
+from .launch import BoundLaunch, Launcher
+from .page_inputs import PageTableArgs
+from .policy import EDGES, Policy, load_policy
+from .runtime import next_power_of_2, sm_count
+from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
+                       balanced_task_count, task_bound, whole_row_min_rows)
+from .tuning import KernelConfig
+
+CAPACITY_QUANTUM = 256   # task buffers grow in steps of this many tasks
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What plan() was asked for, checked once (DecodeWrapper.plan). choice None: the policy's."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    choice: Choice | None
+    sm_scale: float
+    config: KernelConfig
+    check_page_table: bool
+
+
+class Workspace:
+    """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
+    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit), partial
+    outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
+    [rows * Hkv] (zero between launches). `generation` counts the reallocations."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tasks = torch.zeros(0, TASK_FIELDS, dtype=torch.int32, device=device)
+        self.info = torch.zeros(INFO_FIELDS, dtype=torch.int32, device=device)
+        self.part_o = torch.empty(0, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(0, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self.generation = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.tasks.shape[0]
+
+    def fits(self, *, tasks: int, partial_heads: int, head_dim: int, counters: int) -> bool:
+        slots = self.tasks.shape[0] * partial_heads   # the kernel may use every task's slot
+        return (self.tasks.shape[0] >= tasks and self.part_lse.numel() >= slots
+                and self.part_o.numel() >= slots * head_dim and self.counters.numel() >= counters)
+
+    def reserve(self, *, tasks: int, partial_heads: int, head_dim: int, counters: int) -> None:
+        """Room for `tasks` task records (and their partials) and `counters` merge counters."""
+        grown = False
+        if self.tasks.shape[0] < tasks:
+            tasks = -(-tasks // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+            self.tasks = torch.zeros(tasks, TASK_FIELDS, dtype=torch.int32, device=self.device)
+            grown = True
+        slots = self.tasks.shape[0] * partial_heads
+        if self.part_lse.numel() < slots or self.part_o.numel() < slots * head_dim:
+            self.part_lse = torch.empty(slots, dtype=torch.float32, device=self.device)
+            self.part_o = torch.empty(slots * head_dim, dtype=torch.float32, device=self.device)
+            grown = True
+        if self.counters.numel() < counters:
+            self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
+            grown = True
+        self.generation += grown
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One step's plan: shapes and options, the page indices, and the device buffers the planner
+    filled. launch_key: what run()'s bound launches depend on besides their own arguments."""
+
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    sm_scale: float
+    config: KernelConfig
+    choice: Choice | None        # None: decided per step on the device by the policy
+    indices: torch.Tensor        # flat page indices: kv_indices, or block_table (row-major)
+    indices_ptr: int
+    workspace: Workspace
+    programs: int                # persistent programs of run()'s launch
+    max_page_index: int          # largest used page index, -1 when not read (trusted)
+    launch_key: tuple
+
+    def info(self) -> dict:
+        """What the planner decided (reads the device): task count, split size, choice."""
+        count, split, code, _, overflow = self.workspace.info[:5].tolist()
+        return {"num_tasks": count, "split_tokens": split, "choice": Choice.from_code(code),
+                "tasks_over_capacity": overflow}
+
+    def task_records(self) -> np.ndarray:
+        """int64 [num_tasks, 7]: (row, split, tok_lo, tok_hi, page_start, slot_start, num_splits)
+        in the order the kernel runs them (reads the device)."""
+        count = int(self.workspace.info[0])
+        return self.workspace.tasks[:count, :7].cpu().numpy().astype(np.int64)
+
+
+class Planner:
+    """Plans steps for one DecodeWrapper. With fixed_rows (graph mode) the buffers are sized once,
+    for fixed_rows rows and fixed_pages pages, so a captured plan + run serves every later step."""
+
+    def __init__(self, *, policy: Policy | None, fixed_rows: int | None = None,
+                 fixed_pages: int | None = None):
+        self.policy = policy
+        self.fixed_rows, self.fixed_pages = fixed_rows, fixed_pages
+        self.workspace: Workspace | None = None
+        self._launcher = Launcher(plan_kernel)
+        self._policy_tensors: dict = {}
+        # the last plan: (tensors, shapes, options, plan, planner launch, its leading tensors)
+        self._memo: tuple | None = None
+
+    def replan(self, tensors: tuple, options: PlanOptions) -> DecodePlan | None:
+        """The last plan again when `tensors` are the last plan's page-table tensors (the same
+        objects and shapes, all on the device, refilled in place) and `options` the same object:
+        only the planner's launch, about one bare launch of host time. None otherwise."""
+        memo = self._memo
+        if memo is None or memo[2] is not options or len(memo[0]) != len(tensors):
+            return None
+        for t, known in zip(tensors, memo[0]):
+            if t is not known:
+                return None
+        if memo[1] != tuple(None if t is None else t.shape for t in tensors):
+            return None
+        memo[4](*memo[5])
+        return memo[3]
+
+    def plan(self, tensors: tuple, table: PageTableArgs, options: PlanOptions) -> DecodePlan:
+        """Plan a step from its checked page table; `tensors` as the caller gave them."""
+        plan, launch = self._new_plan(table, options)
+        launch(*table.leading)
+        on_device = all(t is None or t.device == table.device for t in tensors)
+        self._memo = (tensors, tuple(None if t is None else t.shape for t in tensors), options,
+                      plan, launch, table.leading) if on_device else None
+        return plan
+
+    def _new_plan(self, table: PageTableArgs, options: PlanOptions) -> tuple[DecodePlan, BoundLaunch]:
+        device, cfg = table.device, options.config
+        if self.fixed_rows is not None and table.rows != self.fixed_rows:
+            raise ValueError(f"graph mode takes page tables of max_batch_size={self.fixed_rows} "
+                             f"rows, got {table.rows}")
+        if self.fixed_pages is not None and table.pages > self.fixed_pages:
+            raise ValueError(f"the page table holds {table.pages} page entries, over "
+                             f"max_num_pages={self.fixed_pages}")
+        sms = sm_count(device)
+        target = balanced_task_count(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
+        codes = ([options.choice.code()] if options.choice is not None
+                 else self._policy(device).dense_codes())
+        rows = self.fixed_rows or table.rows
+        pages = self.fixed_pages or table.pages
+        capacity = max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
+                                  max_row_pages=table.max_row_pages) for c in codes)
+        ws = self.workspace
+        if ws is None or ws.device != device:
+            ws = self.workspace = Workspace(device)
+        need = dict(tasks=capacity, partial_heads=options.num_qo_heads, head_dim=options.head_dim,
+                    counters=rows * options.num_kv_heads)
+        if self.fixed_rows is not None and ws.generation and not ws.fits(**need):
+            raise ValueError("graph mode sized its buffers at the first plan(); this plan needs "
+                             "more (smaller splits, more heads or a larger head_dim): build a new "
+                             "DecodeWrapper")
+        ws.reserve(**need)
+        edges, dense = self._device_table(device, codes if options.choice is None else None)
+        fixed = (edges, dense, ws.tasks, ws.info, table.rows, table.num_indices, table.row_stride,
+                 table.width, ws.capacity, codes[0] if options.choice is not None else 0, target,
+                 cfg.min_split_tokens, whole_row_min_rows(num_kv_heads=options.num_kv_heads,
+                                                          sm_count=sms),
+                 WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
+        constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=next_power_of_2(max(table.rows, 1)),
+                          BLOCK_SPLITS=32, CSR=table.csr, POLICY=options.choice is None,
+                          ONE_ROUND_STEPS=ONE_ROUND_STEPS if cfg.one_round else 0,
+                          EDGES=POLICY_EDGES)
+        key = (*constexprs.values(), device.index, *(t.data_ptr() % 16 for t in table.leading))
+        launch = self._launcher.bind(grid=(max(table.rows, 1),), key=key, fixed=fixed,
+                                     constexprs=constexprs, num_warps=4, num_stages=2,
+                                     device_index=device.index)
+        programs = min(cfg.programs_per_sm * sms, ws.capacity * options.num_kv_heads)
+        max_page = table.max_page
+        plan = DecodePlan(
+            batch_size=table.rows, num_qo_heads=options.num_qo_heads,
+            num_kv_heads=options.num_kv_heads, head_dim=options.head_dim,
+            page_size=options.page_size, sm_scale=options.sm_scale, config=cfg,
+            choice=options.choice, indices=table.indices, indices_ptr=table.indices.data_ptr(),
+            workspace=ws, programs=programs, max_page_index=max_page,
+            launch_key=(id(ws), ws.generation, options, programs, max_page))
+        return plan, launch
+
+    def _policy(self, device: torch.device) -> Policy:
+        if self.policy is None:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            self.policy = load_policy(name)
+        return self.policy
+
+    def _device_table(self, device: torch.device, codes: list[int] | None):
+        """The policy's bin edges (float64 [3, POLICY_EDGES], padded with +inf) and dense choice
+        codes (int32), uploaded once per device; placeholders when a choice is given."""
+        key = (device, None if codes is None else tuple(codes))
+        tensors = self._policy_tensors.get(key)
+        if tensors is None:
+            edges = np.full((len(EDGES), POLICY_EDGES), math.inf)
+            for i, feature_edges in enumerate(EDGES):
+                edges[i, :len(feature_edges)] = feature_edges
+            tensors = (torch.from_numpy(edges).to(device),
+                       torch.tensor(codes or [0], dtype=torch.int32, device=device))
+            self._policy_tensors[key] = tensors
+        return tensors
