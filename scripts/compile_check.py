@@ -18,16 +18,14 @@ from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
 from persistentkv.tuning import default_config
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
-            "meta_ptr": "*i32", "tasks_ptr": "*i32", "plan_info_ptr": "*i32", "out_ptr": "*fp16",
+            "tasks_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
             "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
 
 
-def compile_decode(*, arch: int, group: int, head_dim: int, persistent: bool, tasks_on_device=False,
-                   config=None):
+def compile_decode(*, arch: int, group: int, head_dim: int, config=None):
     cfg = config or default_config(head_dim=head_dim)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
-                                   block_n=cfg.block_n, persistent=persistent,
-                                   tasks_on_device=tasks_on_device, return_lse=False, upcast=False)
+                                   block_n=cfg.block_n, return_lse=False, upcast=False)
     names = paged_decode_kernel.arg_names
     signature = {}
     for name in names:
@@ -69,14 +67,13 @@ def main():
     args = parser.parse_args()
     shapes = ((4, 128),) if args.quick else ((4, 128), (1, 64), (8, 128), (16, 256))
     for group, head_dim in shapes:
-        for persistent in (False, True):
-            k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, persistent=persistent)
-            ptx = k.asm["ptx"]
-            waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
-            print(f"group {group:2d} d {head_dim:3d} {'workqueue' if persistent else 'grid     '}: "
-                  f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
-                  f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
-                  f"deepest wait_group {max(waits, default=-1)}")
+        k = compile_decode(arch=args.arch, group=group, head_dim=head_dim)
+        ptx = k.asm["ptx"]
+        waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
+        print(f"group {group:2d} d {head_dim:3d}: "
+              f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
+              f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
+              f"deepest wait_group {max(waits, default=-1)}")
 
 
 if __name__ == "__main__":

@@ -158,11 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", default="results/sweep.json")
     sweep.set_defaults(func=cmd_sweep)
 
-    from .policy import CALIBRATION_SEEDS, CANDIDATES, HELD_OUT_SEEDS
+    from .bench.adaptive import CALIBRATION_SEEDS, CANDIDATES, HELD_OUT_SEEDS
 
-    calibrate = sub.add_parser("calibrate", help="fit the adaptive policy on calibration traces")
+    calibrate = sub.add_parser("calibrate", help="fit the policy that pkv-auto decides with, on "
+                                                 "calibration traces")
     calibrate.add_argument("--seeds", default=",".join(map(str, CALIBRATION_SEEDS)))
-    calibrate.add_argument("--candidates", default=",".join(CANDIDATES))
+    calibrate.add_argument("--candidates", default=",".join(CANDIDATES),
+                           help="our fixed choices: pkv-grouped, pkv-split, pkv-split@N")
     calibrate.add_argument("--objective", choices=["graph_us", "eager_us"], default="graph_us")
     calibrate.add_argument("--from-results", nargs="*", default=[],
                            help="refit from `persistentkv bench` JSON files instead of measuring")
@@ -172,12 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--out", default="results/policy.json")
     calibrate.set_defaults(func=cmd_calibrate)
 
-    evaluate = sub.add_parser("evaluate", help="the adaptive policy against every fixed backend on "
-                                               "held-out trace seeds")
+    evaluate = sub.add_parser("evaluate", help="pkv-auto (the policy on the device) against every "
+                                               "fixed backend on held-out trace seeds")
     evaluate.add_argument("--policy", help="policy JSON (default: the one shipped for this GPU)")
     evaluate.add_argument("--seeds", default=",".join(map(str, HELD_OUT_SEEDS)))
-    evaluate.add_argument("--backends", default="pkv-grouped,pkv-split,pkv-workqueue,pkv-graph,"
-                                                "fi-cuda-core,fi-tensor-core,fi-xqa")
+    evaluate.add_argument("--backends", default="pkv-grouped,pkv-split,pkv-split@16,pkv-split@64,"
+                                                "fi-cuda-core,fi-tensor-core,fi-xqa",
+                          help="the fixed backends; pkv-auto with --policy is added")
     evaluate.add_argument("--layers", type=int, default=32)
     evaluate.add_argument("--samples", type=int, default=8)
     evaluate.add_argument("--eager-reps", type=int, default=3,

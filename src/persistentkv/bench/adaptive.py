@@ -1,5 +1,6 @@
-"""`persistentkv calibrate` and `persistentkv evaluate`: fit the adaptive policy on calibration
-traces, then judge it on held-out seeds against every fixed backend and FlashInfer's best."""
+"""`persistentkv calibrate` and `persistentkv evaluate`: fit the policy that `pkv-auto` decides
+with (policy.py) on calibration traces, then judge pkv-auto on held-out seeds against every fixed
+backend and FlashInfer's best."""
 from __future__ import annotations
 
 import json
@@ -11,32 +12,48 @@ from pathlib import Path
 import torch
 
 from ..policy import Policy, bin_of, fit_policy
-from .backends import Adaptive, _split_variant, make_backends
+from ..schedule import Choice
+from .backends import _pkv_variant, make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
 from .results import FI_BEST, environment, print_table, run_ceiling, summarize, write_results
 from .runner import Measured, ModelShape, RunOptions, functional_setup, run_trace
-from .suite import FUNCTIONAL_PARAMS, TRACE_SUITE, TraceSpec
+from .suite import FUNCTIONAL_PARAMS, FUNCTIONAL_TRACE, TRACE_SUITE, TraceSpec
 from .traces import make_trace
 
-ADAPTIVE_NAMES = ("adaptive", "adaptive-eager")   # the policy with its graph and eager tables
+# The choices calibrate measures (ours, fixed; each one a schedule.Choice), and the trace seeds
+# the policy is fitted on and judged on (never seen in the fit).
+CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-split@8", "pkv-split@16", "pkv-split@32",
+              "pkv-split@64", "pkv-split@128")
+CALIBRATION_SEEDS = (1, 2)
+HELD_OUT_SEEDS = (100,)
+AUTO = "pkv-auto"   # the policy on the device: what evaluate judges
 
 # Calibration and evaluation replay the same trace families, at different seeds: the benchmark's
 # suite (1-8 rows) and two large batches, so that the policy has seen steps of 9+ rows.
 POLICY_TRACES = TRACE_SUITE + (TraceSpec("uniform", 32, 64), TraceSpec("zipf", 128, 256))
-FUNCTIONAL = TraceSpec("bucketed", 2, 3)
+
+
+def candidate_choice(name: str) -> Choice | None:
+    """The Choice a candidate backend runs: 'pkv-grouped' -> Choice('grouped'), 'pkv-split@16'
+    -> Choice('split', 16); None for any other backend (pkv-auto, a launch-configuration
+    variant, FlashInfer's, the baselines, a label of an older version)."""
+    variant = _pkv_variant(name)
+    if variant is None or variant[0] == "auto" or variant[2]:
+        return None
+    return Choice(variant[0], variant[1])
 
 
 def calibration_steps(measured: list[Measured]) -> list[dict]:
-    """Measured (step, backend) timings, keyed for fit_policy (bin, step, choice)."""
+    """Measured (step, candidate) timings, keyed for fit_policy (bin, step_key, choice); the
+    steps of backends that are not candidates are left out."""
     rows = []
     for m in measured:
         for s in m.steps:
-            variant = _split_variant(s["backend"])
-            backend, pages = (f"pkv-{variant[0]}", variant[1]) if variant else (s["backend"], None)
-            rows.append({**s, "bin": bin_of(rows=s["rows"], max_len=s["max_seq_len"],
-                                            total_tokens=s["tokens"]),
-                         "step_key": f"{m.name}:{s['step']}", "choice": s["backend"],
-                         "backend": backend, "split_pages": pages})
+            choice = candidate_choice(s["backend"])
+            if choice is not None:
+                rows.append({**s, "bin": bin_of(rows=s["rows"], max_len=s["max_seq_len"],
+                                                total_tokens=s["tokens"]),
+                             "step_key": f"{m.name}:{s['step']}", "choice": choice})
     return rows
 
 
@@ -55,7 +72,7 @@ def measured_from_results(paths: list[Path]) -> list[Measured]:
 
 
 def _traces(specs, seeds, functional: bool):
-    for spec in ([FUNCTIONAL] if functional else specs):
+    for spec in ([FUNCTIONAL_TRACE] if functional else specs):
         for seed in seeds:
             trace = make_trace(spec.generator, batch_slots=spec.batch_slots,
                                num_requests=spec.num_requests, seed=seed,
@@ -65,6 +82,9 @@ def _traces(specs, seeds, functional: bool):
 
 def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape, opts: RunOptions,
                   objective: str, out_path: Path, from_results: list[Path] | None) -> Policy:
+    """Measure the candidates on the calibration traces (or read measurements back), fit the
+    policy on `objective` (eager_us on the CPU) and save it at out_path, its measurements
+    beside it."""
     functional = device.type != "cuda" and not from_results
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if from_results:
@@ -72,13 +92,15 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         gpu = json.loads(Path(from_results[0]).read_text())["environment"]["device"]
         info = {"from_results": [str(p) for p in from_results]}
     else:
+        wrong = [c for c in candidates if candidate_choice(c) is None]
+        if wrong or not candidates:
+            raise ValueError(f"candidates must be pkv-grouped, pkv-split or pkv-split@N, got "
+                             f"{wrong or list(candidates)}")
         if functional:
             print("No GPU: a functional calibration through Triton's interpreter; the fitted "
                   "policy means nothing.")
             shape, opts = functional_setup(shape, opts)
-        built, skipped = make_backends(list(candidates), layout=shape.layout, device=device)
-        for name, why in skipped.items():
-            print(f"skipping {name}: {why}")
+        built, _ = make_backends(list(candidates), layout=shape.layout, device=device)
         measured = []
         for name, trace in _traces(POLICY_TRACES, seeds, functional):
             print(f"calibrating on {name}", flush=True)
@@ -91,59 +113,56 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         steps = [{"case": m.name, **s} for m in measured for s in m.steps]
         write_results(out_path.parent, env=env, summary=summary, steps=steps,
                       tag=f"{out_path.stem}-measurements")
-    policy = fit_policy(calibration_steps(measured), gpu=gpu,
-                        objective="eager_us" if functional else objective,
+    steps = calibration_steps(measured)
+    if not steps:   # measurements read back, of other backends only
+        raise ValueError(f"from_results={[str(p) for p in from_results]} holds no step of a "
+                         f"candidate (pkv-grouped, pkv-split, pkv-split@N)")
+    policy = fit_policy(steps, gpu=gpu, objective="eager_us" if functional else objective,
                         info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(out_path)
     for key, choice in sorted(policy.table.items()):
-        print(f"  {key}: {choice.label()}  (PersistentKV: {policy.pkv_table.get(key).label()})")
+        print(f"  {key}: {choice}")
     print(f"wrote {out_path}")
     return policy
 
 
 def evaluation_table(summary: list[dict], measured: list[Measured]) -> list[dict]:
-    """Per trace, like the paper's table: FlashInfer's best, the best fixed backend, the adaptive
-    policy, their ratios in eager and graph mode, and how often the policy picked each backend.
-    In eager mode the policy is `adaptive-eager` (its eager table) when it was measured."""
+    """Per trace, like the paper's table: pkv-auto's tokens/s in eager and graph mode, its ratio
+    to FlashInfer's best and to the best other backend measured (FlashInfer's entries included),
+    and how often it picked each choice (the step notes)."""
     rows = []
     for m in measured:
         mine = {r["backend"]: r for r in summary if r["case"] == m.name and r["status"] == "ok"}
-        fi = mine.get(FI_BEST)
-        fixed = [r for name, r in mine.items() if name not in (*ADAPTIVE_NAMES, FI_BEST)]
-        if "adaptive" not in mine or not fixed:
+        auto, fi = mine.get(AUTO), mine.get(FI_BEST)
+        fixed = [r for name, r in mine.items() if not name.startswith(AUTO) and name != FI_BEST]
+        if auto is None or not fixed:
             continue
-        row = {"trace": m.name}
+        row = {"trace": m.name, "picks": dict(Counter(
+            s["note"] for s in m.steps if s["backend"] == AUTO and s["status"] == "ok"))}
         for mode in ("eager", "graph"):
-            name = "adaptive-eager" if mode == "eager" and "adaptive-eager" in mine else "adaptive"
-            adaptive = mine[name]
-            row[f"picks_{mode}"] = dict(Counter(s["note"] for s in m.steps if s["backend"] == name))
             key = f"tokens_per_s_{mode}"
             best = max(fixed, key=lambda r: r[key] if r[key] == r[key] else -1)
-            row[f"adaptive_{mode}"] = adaptive[key]
+            row[f"auto_{mode}"] = auto[key]
             row[f"best_fixed_{mode}"] = f"{best['backend']} {best[key]:.0f}"
-            row[f"vs_best_fixed_{mode}"] = adaptive[key] / best[key] if best[key] else math.nan
-            row[f"vs_fi_best_{mode}"] = adaptive[key] / fi[key] if fi else math.nan
+            row[f"vs_best_fixed_{mode}"] = auto[key] / best[key] if best[key] else math.nan
+            row[f"vs_fi_best_{mode}"] = auto[key] / fi[key] if fi else math.nan
         rows.append(row)
     return rows
 
 
 def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape: ModelShape,
                  opts: RunOptions, out_dir: Path, tag: str) -> list[dict]:
+    """Measure `backends` and pkv-auto deciding with `policy` on the held-out seeds; write the
+    results with the evaluation table (evaluation_table) in their environment."""
     functional = device.type != "cuda"
     if functional:
         print("No GPU: a functional evaluation through Triton's interpreter; its timings mean nothing.")
         shape, opts = functional_setup(shape, opts)
-    built, skipped = make_backends(list(backends), layout=shape.layout, device=device)
+    names = list(backends) + ([AUTO] if AUTO not in backends else [])
+    built, skipped = make_backends(names, layout=shape.layout, device=device, policy=policy)
     for name, why in skipped.items():
         print(f"skipping {name}: {why}")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if not functional else 4
-    # what the policy may pick beyond the fixed backends (split-size variants): built for it alone
-    picks = {c.label() for table in (policy.table, policy.pkv_table, policy.eager_table)
-             for c in table.values()}
-    extra, _ = make_backends(sorted(picks - {b.name for b in built}), layout=shape.layout,
-                             device=device)
-    built += [Adaptive(policy, built + extra, sm_count=sms, mode=mode) for mode in ("graph", "eager")]
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
     env.update(bandwidth_ceiling(device), bare_launch_us=bare_launch_us(device),
                policy={"gpu": policy.gpu, "fit": policy.fit}, seeds=list(seeds))
@@ -158,8 +177,7 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     write_results(out_dir, env={**env, "evaluation": table}, summary=summary, steps=steps, tag=tag)
     print_table(summary, title=f"PersistentKV evaluate ({env['device']})", functional=functional)
     for row in table:
-        print(f"{row['trace']:<22} adaptive x FI best: eager {row['vs_fi_best_eager']:.2f} graph "
+        print(f"{row['trace']:<22} pkv-auto x FI best: eager {row['vs_fi_best_eager']:.2f} graph "
               f"{row['vs_fi_best_graph']:.2f}; x best fixed: eager {row['vs_best_fixed_eager']:.2f} "
-              f"graph {row['vs_best_fixed_graph']:.2f}; picks graph {row['picks_graph']}, "
-              f"eager {row['picks_eager']}")
+              f"graph {row['vs_best_fixed_graph']:.2f}; picks {row['picks']}")
     return table

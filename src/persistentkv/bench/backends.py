@@ -2,6 +2,8 @@
 
 A backend is planned once per step from a `StepInputs` (the page table and shapes), then run once
 per layer. Every backend reads the same pools and queries and writes its own output buffers.
+Ours: 'pkv-grouped', 'pkv-split', 'pkv-split@N' (N pages per split) and 'pkv-auto' (the policy
+decides per step, on the device), each optionally with KernelConfig suffixes (`_pkv_variant`).
 """
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ from typing import Callable
 
 import torch
 
-PKV_BACKENDS = ("grouped", "split", "workqueue")
-PKV_GRAPH = "pkv-graph"
+from ..policy import Policy
+from ..schedule import SCHEDULES
+from ..tuning import KernelConfig, default_config
+
+PKV_BACKENDS = (*SCHEDULES, "auto")   # DecodeWrapper.plan's backends (wrapper.BACKENDS, which
+                                      # is not imported here: it imports triton)
 FLASHINFER_BACKENDS = ("fi-cuda-core", "fi-tensor-core", "fi-xqa")
 BASELINES = ("padded-sdpa", "per-sequence")
-ALL_BACKENDS = (tuple(f"pkv-{b}" for b in PKV_BACKENDS) + (PKV_GRAPH,) + FLASHINFER_BACKENDS
-                + BASELINES)
+ALL_BACKENDS = tuple(f"pkv-{b}" for b in PKV_BACKENDS) + FLASHINFER_BACKENDS + BASELINES
 
 
 class Unsupported(Exception):
@@ -52,7 +57,7 @@ class StepInputs:
 
 
 class Backend:
-    """plan(step) once per step on the host; run(layer) launches the layer's attention.
+    """plan(step) once per step; run(layer) launches the layer's attention.
 
     capture_plan: plan() is capturable and belongs in the CUDA graph with the runs.
     """
@@ -66,6 +71,11 @@ class Backend:
     def run(self, layer: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def last_choice(self) -> str:
+        """What the backend chose for the last planned step ('' when it chooses nothing); may
+        read the device: call it outside timed code."""
+        return ""
+
     def release(self) -> None:
         """Drop what plan() kept of the last step (which holds every layer's pool): called
         between traces, so that one trace's cache is freed before the next is allocated."""
@@ -75,110 +85,52 @@ class Backend:
 
 
 class PersistentKV(Backend):
-    """One of our schedules, with the default split and launch configuration unless split_pages,
-    config or overrides (KernelConfig fields over the head dim's default) fix them."""
-
-    def __init__(self, schedule: str, *, layout: str, split_pages: int | None = None, config=None,
-                 overrides: dict | None = None):
-        from ..wrapper import DecodeWrapper  # imported late: the CLI picks the interpreter first
-
-        self.overrides = dict(overrides or {})
-        self.name = (f"pkv-{schedule}" + (f"@{split_pages}" if split_pages else "")
-                     + _override_suffix(self.overrides))
-        self.schedule, self.split_pages, self.config = schedule, split_pages, config
-        self.wrapper = DecodeWrapper(layout)
-
-    def plan(self, step: StepInputs) -> None:
-        config = _with_overrides(self.config, self.overrides, head_dim=step.head_dim)
-        self.step = step
-        self.wrapper.plan(kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
-                          kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
-                          num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
-                          page_size=step.page_size, backend=self.schedule,
-                          split_pages=self.split_pages, config=config)
-        self.outs = [torch.empty_like(q) for q in step.queries]
-
-    def run(self, layer: int) -> torch.Tensor:
-        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
-
-
-class PersistentKVGraph(Backend):
-    """Graph mode: the page table copied into static buffers and planned on the GPU; plan() and
-    the L runs are captured together (one graph for the step, no host planning)."""
+    """DecodeWrapper.plan(backend=...) and run(): "grouped", "split" (split_pages pages per
+    split, default: the split rule) or "auto" (policy: the one to decide with, default the one
+    shipped for the GPU). config, overrides: the launch configuration (KernelConfig fields over
+    config, or over the head dim's default). plan() is one planner launch on the device and is
+    captured with the runs; planning a step again with its own page-table tensors only
+    relaunches the planner (as a server that refills its page-table buffers in place)."""
 
     capture_plan = True
 
-    def __init__(self, *, layout: str, overrides: dict | None = None):
-        self.layout = layout
+    def __init__(self, backend: str, *, layout: str, split_pages: int | None = None,
+                 config: KernelConfig | None = None, overrides: dict | None = None,
+                 policy: Policy | None = None):
+        from ..wrapper import DecodeWrapper  # imported late: the CLI picks the interpreter first
+
+        if backend not in PKV_BACKENDS:
+            raise ValueError(f"backend must be one of {PKV_BACKENDS}, got {backend!r}")
         self.overrides = dict(overrides or {})
-        self.name = PKV_GRAPH + _override_suffix(self.overrides)
-        self.wrapper = None
-        self.sizes: tuple = ()
+        dataclasses.replace(config or KernelConfig(), **self.overrides)   # checks the values
+        self.name = (f"pkv-{backend}" + (f"@{split_pages}" if split_pages else "")
+                     + _override_suffix(self.overrides))
+        self.backend, self.split_pages, self.config = backend, split_pages, config
+        self.wrapper = DecodeWrapper(layout, policy=policy)
+        self._configs: dict[int, KernelConfig | None] = {}   # head_dim -> config
+        self.step = None
 
     def plan(self, step: StepInputs) -> None:
-        from ..wrapper import DecodeWrapper
-
-        sizes = (step.batch_size, step.kv_indices.numel(), step.num_qo_heads, step.head_dim)
-        if sizes != self.sizes:                      # new buffers outside any capture
-            self.sizes = sizes
-            self.wrapper = DecodeWrapper(self.layout, use_cuda_graph=True,
-                                         max_batch_size=max(1, step.batch_size),
-                                         max_num_pages=max(1, step.kv_indices.numel()))
-            self.static = [t.clone() for t in (step.kv_indptr, step.kv_indices,
-                                               step.kv_last_page_len)]
-            self.outs = [torch.empty_like(q) for q in step.queries]
-        for dst, src in zip(self.static, (step.kv_indptr, step.kv_indices, step.kv_last_page_len)):
-            dst.copy_(src)
-        self.step = step
-        self.wrapper.plan(kv_indptr=self.static[0], kv_indices=self.static[1],
-                          kv_last_page_len=self.static[2], num_qo_heads=step.num_qo_heads,
+        if step.head_dim not in self._configs:
+            self._configs[step.head_dim] = _with_overrides(self.config, self.overrides,
+                                                           head_dim=step.head_dim)
+        config = self._configs[step.head_dim]
+        if step is not self.step:        # no allocation when the step is planned again
+            self.step, self.outs = step, [torch.empty_like(q) for q in step.queries]
+        self.wrapper.plan(kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
+                          kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
-                          page_size=step.page_size,
-                          config=_with_overrides(None, self.overrides, head_dim=step.head_dim))
+                          page_size=step.page_size, backend=self.backend,
+                          split_pages=self.split_pages, config=config)
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
 
-    def release(self) -> None:
-        super().release()
-        self.wrapper, self.sizes = None, ()
-
-
-class Adaptive(Backend):
-    """The adaptive policy: per step, the backend the policy picks among `backends` (by name, as
-    Choice.label gives it); PersistentKV's own pick when the policy's is not available here.
-    mode: which of the policy's tables decides ("graph": `adaptive`, "eager": `adaptive-eager`)."""
-
-    def __init__(self, policy, backends: list[Backend], *, sm_count: int, mode: str = "graph"):
-        self.policy, self.sm_count, self.mode = policy, sm_count, mode
-        self.name = "adaptive" if mode == "graph" else f"adaptive-{mode}"
-        self.by_name = {b.name: b for b in backends}
-        self.last_choice = ""
-
-    def plan(self, step: StepInputs) -> None:
-        from ..policy import StepFeatures
-
-        features = StepFeatures.of(step.seq_lens_host, num_kv_heads=step.num_kv_heads,
-                                   head_dim=step.head_dim, elem_size=step.pools[0].element_size(),
-                                   sm_count=self.sm_count, page_size=step.page_size,
-                                   group=step.num_qo_heads // step.num_kv_heads)
-        choice = self.policy.decide(features, mode=self.mode)
-        if choice.label() not in self.by_name:
-            choice = self.policy.decide(features, pkv_only=True)
-        if choice.label() not in self.by_name:
-            raise Unsupported(f"the policy chose {choice.label()}, which is not built here")
-        self.current = self.by_name[choice.label()]
-        self.last_choice = choice.label()
-        self.capture_plan = self.current.capture_plan
-        self.current.plan(step)
-
-    def run(self, layer: int) -> torch.Tensor:
-        return self.current.run(layer)
-
-    def release(self) -> None:
-        self.current = None
-        for backend in self.by_name.values():
-            backend.release()
+    def last_choice(self) -> str:
+        """pkv-auto: the planner's choice for the last step, e.g. 'split@16' (a device read)."""
+        if self.backend != "auto":
+            return ""
+        return str(self.wrapper.current_plan.info()["choice"])
 
 
 def flashinfer_version() -> str | None:
@@ -304,18 +256,10 @@ class PerSequence(Backend):
         return torch.cat(outs)
 
 
-def _split_variant(name: str) -> tuple[str, int] | None:
-    """'pkv-split@32' -> ('split', 32); None for any other name."""
-    head, _, pages = name.partition("@")
-    if head in ("pkv-split", "pkv-workqueue") and pages.isdigit() and int(pages) > 0:
-        return head[4:], int(pages)
-    return None
-
-
-# ':<key><value>' suffixes of a backend name: a KernelConfig field and how its value is read
+# ':<key><value>' suffixes of our backends' names: a KernelConfig field and how its value is read
 CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "pps": ("programs_per_sm", int), "waves": ("waves", float),
-                   "oneround": ("one_round", lambda value: bool(int(value)))}
+                   "oneround": ("one_round", {"0": False, "1": True}.__getitem__)}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -323,60 +267,56 @@ def _override_suffix(overrides: dict) -> str:
     return "".join(f":{short[field]}{value:g}" for field, value in overrides.items())
 
 
-def _with_overrides(config, overrides: dict, *, head_dim: int):
+def _with_overrides(config: KernelConfig | None, overrides: dict, *,
+                    head_dim: int) -> KernelConfig | None:
     if not overrides:
         return config
-    from ..tuning import default_config
-
     return dataclasses.replace(config or default_config(head_dim=head_dim), **overrides)
 
 
 def _pkv_variant(name: str) -> tuple[str, int | None, dict] | None:
-    """A variant of our schedules: 'pkv-split@32' -> ('split', 32, {}); 'pkv-workqueue:warps8' ->
-    ('workqueue', None, {'num_warps': 8}); 'pkv-split@32:waves3:pps2' -> ('split', 32,
-    {'waves': 3.0, 'programs_per_sm': 2}); 'pkv-graph:pps2' -> ('graph', None, {...}). None for
-    any other name, the plain ones included."""
+    """One of our backends: 'pkv-split@16:warps8' -> ('split', 16, {'num_warps': 8});
+    'pkv-auto:pps3' -> ('auto', None, {'programs_per_sm': 3}); 'pkv-grouped' -> ('grouped',
+    None, {}). None for any other name (FlashInfer's, the baselines', a malformed one)."""
     base, *options = name.split(":")
+    head, at, pages = base.partition("@")
+    backend = head.removeprefix("pkv-")
+    if backend == head or backend not in PKV_BACKENDS:
+        return None
+    if at and not (backend == "split" and pages.isdigit() and int(pages) > 0):
+        return None
     overrides = {}
     for option in options:
         key = option.rstrip("0123456789.")
-        value = option[len(key):]
-        if key not in CONFIG_SUFFIXES or not value or value.count(".") > 1:
+        if key not in CONFIG_SUFFIXES:
             return None
         field, parse = CONFIG_SUFFIXES[key]
-        overrides[field] = parse(float(value))
-    split = _split_variant(base)
-    if split is not None:
-        return split[0], split[1], overrides
-    if options and base in ("pkv-split", "pkv-workqueue", PKV_GRAPH):
-        return base[4:], None, overrides
-    return None
+        try:
+            overrides[field] = parse(option[len(key):])
+        except (KeyError, ValueError):
+            return None
+    return backend, int(pages) if at else None, overrides
 
 
 def make_backends(names: list[str], *, layout: str, device: torch.device,
-                  split_pages: int | None = None) -> tuple[list[Backend], dict[str, str]]:
+                  policy: Policy | None = None) -> tuple[list[Backend], dict[str, str]]:
     """Build the named backends; returns (backends, {name: why it was skipped}).
 
-    Besides ALL_BACKENDS, 'pkv-split@N' and 'pkv-workqueue@N' fix the split at N pages, and
-    suffixes change the launch configuration of our backends: ':warpsW', ':stagesS', ':ppsP'
-    (persistent programs per SM), ':wavesX' (target tasks per SM), ':oneround0|1', e.g.
-    'pkv-graph:pps2'.
+    Besides ALL_BACKENDS, 'pkv-split@N' fixes the split at N pages, and suffixes change the
+    launch configuration of ours: ':warpsW', ':stagesS', ':ppsP' (persistent programs per SM),
+    ':wavesX' (target tasks per SM), ':oneround0|1', e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3'.
+    policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]
     if unknown:
-        raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)} "
-                         f"or pkv-split@N / pkv-workqueue@N (N pages per split), with optional "
-                         f"suffixes {[':' + k + 'N' for k in CONFIG_SUFFIXES]}")
+        raise ValueError(f"unknown backend(s) {unknown}; choose from {list(ALL_BACKENDS)} or "
+                         f"pkv-split@N (N pages per split), ours with optional suffixes "
+                         f"{[':' + k + 'N' for k in CONFIG_SUFFIXES]}")
     backends: list[Backend] = []
     skipped: dict[str, str] = {}
     fi = flashinfer_version() if device.type == "cuda" else None
-    factories: dict[str, Callable[[], Backend]] = {
-        f"pkv-{b}": (lambda b=b: PersistentKV(b, layout=layout, split_pages=split_pages))
-        for b in PKV_BACKENDS
-    }
-    factories[PKV_GRAPH] = lambda: PersistentKVGraph(layout=layout)
-    factories["padded-sdpa"] = PaddedSDPA
-    factories["per-sequence"] = PerSequence
+    factories: dict[str, Callable[[], Backend]] = {"padded-sdpa": PaddedSDPA,
+                                                   "per-sequence": PerSequence}
     if fi is not None:
         def workspace() -> torch.Tensor:
             return torch.empty(128 << 20, dtype=torch.uint8, device=device)
@@ -390,11 +330,9 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     for name in names:
         variant = _pkv_variant(name)
         if variant is not None:
-            schedule, pages, overrides = variant
-            backends.append(PersistentKVGraph(layout=layout, overrides=overrides)
-                            if schedule == "graph" else
-                            PersistentKV(schedule, layout=layout, split_pages=pages,
-                                         overrides=overrides))
+            backend, pages, overrides = variant
+            backends.append(PersistentKV(backend, layout=layout, split_pages=pages,
+                                         overrides=overrides, policy=policy))
         elif name in factories:
             backends.append(factories[name]())
         else:

@@ -51,7 +51,8 @@ def _sync(device: torch.device) -> None:
 
 def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor | None,
                  eager_reps: int = 3, graph_reps: int = 10) -> StepTiming:
-    """Plan and run `backend` on `step`; check layer 0 against `reference`; time it.
+    """Plan and run `backend` on `step`; check layer 0 against `reference`; time it. The note
+    holds what the backend chose for the step (Backend.last_choice), or why it failed.
 
     On the CPU only the eager host times are taken (the interpreter's timings mean nothing).
     """
@@ -74,6 +75,7 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
             result.status = "failed"
             result.note = f"relative error {result.error:.2e} over {TOLERANCE[out.dtype]}"
             return result
+    result.note = backend.last_choice()   # pkv-auto's pick: a device read, before the timing
 
     walls, plans, runs = [], [], []
     for _ in range(eager_reps):

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 from .backends import flashinfer_version
 from .runner import Measured
@@ -21,6 +20,9 @@ FI_BEST = "fi-best"
 
 
 def environment(device: torch.device, *, command: list[str], functional: bool) -> dict:
+    import triton   # here, not at the top: the CLI's parser imports this module before it chooses
+                    # Triton's interpreter
+
     env = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(command),

@@ -107,8 +107,6 @@ def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts:
             continue
         timing = measure_step(backend, step, reference=reference, eager_reps=opts.eager_reps,
                               graph_reps=opts.graph_reps)
-        if getattr(backend, "last_choice", "") and timing.status == "ok":
-            timing.note = backend.last_choice       # what the adaptive policy picked
         if timing.status == "failed":
             dead.add(backend.name)
         results.append(timing)

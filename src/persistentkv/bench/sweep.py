@@ -1,6 +1,7 @@
 """`persistentkv sweep`: device time of kernel configurations on static batches, to fill tuning.py."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -25,8 +26,9 @@ L2_ROTATION_BYTES = 256e6   # enough layers that one step's KV across them is se
 
 
 def config_grid(spec: dict[str, list]) -> list[tuple[str, KernelConfig]]:
-    """(backend, config) pairs from lists of values per KernelConfig field plus 'backend'."""
-    backends = spec.pop("backend", ["split", "workqueue"])
+    """(backend, config) pairs from lists of values per KernelConfig field plus 'backend' (our
+    wrapper backends; default: "split", the split rule)."""
+    backends = spec.pop("backend", ["split"])
     keys = list(spec)
     out = []
     for values in itertools.product(*(spec[k] for k in keys)):
@@ -63,7 +65,7 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
                 continue
             us = graph_time_per_layer(b, step, layers, reps=reps) if err <= TOLERANCE[shape.dtype] else math.nan
             rows.append({"cell": cell, "backend": backend, **cfg.__dict__, "us": us, "error": err,
-                         "split_tokens": b.wrapper.plan_info.schedule.split_tokens,
+                         "split_tokens": b.wrapper.current_plan.info()["split_tokens"],
                          "tbps": kv_bytes_per_layer(step) / us / 1e6 if us == us else math.nan})
         best = min((r for r in rows if r["cell"] == cell and r["us"] == r["us"]), key=lambda r: r["us"])
         print(f"{cell:<9} best {best['us']:7.1f} us ({best['tbps']:.2f} TB/s): {best['backend']} "
@@ -75,8 +77,8 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
     # the single configuration with the best geometric mean over the cells
     by_cfg: dict[tuple, list[float]] = {}
     for r in rows:
-        by_cfg.setdefault((r["backend"], r["block_n"], r["num_warps"], r["num_stages"], r["waves"],
-                           r["min_split_tokens"], r["programs_per_sm"]), []).append(r["us"])
+        by_cfg.setdefault((r["backend"], *(r[f.name] for f in dataclasses.fields(KernelConfig))),
+                          []).append(r["us"])
     ranked = sorted((statistics.geometric_mean(v), k) for k, v in by_cfg.items()
                     if len(v) == len(cells) and all(x == x for x in v))
     for gm, k in ranked[:8]:

@@ -137,11 +137,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
 
     tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
     the task count at 0 and the claim counter at 3. Items are (task, KV head) pairs, item =
-    task * NUM_KV_HEADS + kv_head. Grid: (programs,), persistent: program p runs item p, then
-    claims item programs + c, c = 0, 1, ... from the counter (one claim per item run, issued
-    before the item so that its latency hides behind it). The claim that draws the last value
-    resets the counter for the next launch. counters: int32 [rows, NUM_KV_HEADS], zero between
-    launches (the merging task resets its own).
+    task * NUM_KV_HEADS + kv_head. Grid: (programs,), persistent: program p runs item p. When the
+    step has more items than programs, each program then claims item programs + c, c = 0, 1, ...
+    from the counter (one claim per item run, issued before the item and read after it, so that
+    its latency hides behind it; the claim that draws the last value resets the counter for the
+    next launch); a step of one round claims nothing. counters: int32 [rows, NUM_KV_HEADS], zero
+    between launches (the merging task resets its own).
     """
     programs = tl.num_programs(0)
     item = tl.program_id(0)
@@ -149,10 +150,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
     row, split, tok_lo, tok_hi, page_start, slot_start, num_splits = _load_task(
         tasks_ptr, item, True, NUM_KV_HEADS)
     num_items = tl.load(info_ptr) * NUM_KV_HEADS
+    claiming = num_items > programs
     while item < num_items:
-        claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")
-        if claim == num_items - 1:       # the last of the launch's num_items claims
-            tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
+        if claiming:
+            claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
+        else:
+            claim = num_items       # one round: no next item
         _decode_task(row, item % NUM_KV_HEADS, split, tok_lo, tok_hi, page_start, slot_start,
                      num_splits, q_ptr, k_ptr, v_ptr, indices_ptr,
                      out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
@@ -160,6 +163,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
                      stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                      NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                      G_MERGE, RETURN_LSE, UPCAST)
+        if claim == num_items - 1:       # the last of the launch's num_items claims
+            tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
         item = programs + claim
         row, split, tok_lo, tok_hi, page_start, slot_start, num_splits = _load_task(
             tasks_ptr, item, item < num_items, NUM_KV_HEADS)
