@@ -1,17 +1,18 @@
 """Markdown tables for BENCHMARKS.md from a grid and an evaluation results file.
 
 Grid: per cell the floor (KV bytes / the run's ceiling), the bar 1.1 x floor + 3 us, FlashInfer's
-best entry, an earlier version's best PersistentKV schedule (optional), our schedules, the best
+best entry, an earlier version's best PersistentKV backend (optional), our backends, the best
 against FlashInfer's best (and the bar it needs: 1.3x where FlashInfer is under 70% of the
-ceiling), graph mode's eager tokens/s against FlashInfer's best eager, and whether both bars hold.
-Evaluation: per trace the adaptive policy against FlashInfer's best and the best fixed backend.
+ceiling), pkv-auto's eager tokens/s against FlashInfer's best eager, and whether both bars hold.
+Evaluation: per trace pkv-auto (the policy on the device) against FlashInfer's best and the best
+fixed backend.
 Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/evaluate.json
          [--previous results/h200/v3/grid.json]
 """
 import argparse
 import json
 
-OURS = ("pkv-grouped", "pkv-split", "pkv-workqueue", "pkv-graph")
+OURS = ("pkv-grouped", "pkv-split", "pkv-auto")
 
 
 def _rows(path):
@@ -29,8 +30,8 @@ def grid_table(path, previous=None) -> str:
     data, by, cases = _rows(path)
     ceiling = data["environment"]["ceiling_tbps"]
     prev = _rows(previous)[1] if previous else {}
-    out = ["| step | floor us | bar: 1.1 x floor + 3 | FI best (entry) | previous best PKV | split | "
-           "work-queue | graph mode | best PKV / FI best | eager: graph mode / FI best | bars met |",
+    out = ["| step | floor us | bar: 1.1 x floor + 3 | FI best (entry) | previous best PKV | grouped | "
+           "split | auto | best PKV / FI best | eager: auto / FI best | bars met |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     met = at_parity = 0
     for case in cases:
@@ -48,12 +49,14 @@ def grid_table(path, previous=None) -> str:
         ok = best <= bar and speedup >= need - 0.005
         met += ok
         at_parity += speedup >= 0.995
-        prev_best = min((prev[(case, b)]["graph_us_per_layer"] for b in OURS if (case, b) in prev),
+        # any of our backends of the earlier version, whatever they were called then
+        prev_best = min((r["graph_us_per_layer"] for (c, b), r in prev.items()
+                         if c == case and b.startswith("pkv-") and r["status"] == "ok"),
                         default=float("nan"))
-        eager = by[(case, "pkv-graph")]["speedup_eager_vs_fi_best"]
+        eager = by.get((case, "pkv-auto"), {}).get("speedup_eager_vs_fi_best", float("nan"))
+        cells = " | ".join(f"{ours[b]:.1f}" if b in ours else "-" for b in OURS)
         out.append(f"| {case} | {floor:.1f} | {bar:.1f} | {fi['graph_us_per_layer']:.1f} ({entry}) | "
-                   f"{prev_best:.1f} | {ours['pkv-split']:.1f} | {ours['pkv-workqueue']:.1f} | "
-                   f"{ours['pkv-graph']:.1f} | {speedup:.2f}x (need {need:.1f}x) | {eager:.2f}x | "
+                   f"{prev_best:.1f} | {cells} | {speedup:.2f}x (need {need:.1f}x) | {eager:.2f}x | "
                    f"{'yes' if ok else 'no'} |")
     out.append("")
     out.append(f"{at_parity} of {len(cases)} cells at 1.00x FI best or better (within 0.5%); both "
@@ -63,19 +66,15 @@ def grid_table(path, previous=None) -> str:
 
 def evaluation_table(path) -> str:
     data = json.load(open(path))
-    out = ["| trace | adaptive tokens/s eager | x FI best, eager | x best fixed, eager (best fixed) | "
-           "adaptive tokens/s graph | x FI best, graph | x best fixed, graph (best fixed) | "
-           "picks, eager | picks, graph |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| trace | pkv-auto tokens/s eager | x FI best, eager | x best fixed, eager (best fixed) | "
+           "pkv-auto tokens/s graph | x FI best, graph | x best fixed, graph (best fixed) | picks |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in data["environment"]["evaluation"]:
-        def picks(d):
-            return ", ".join(f"{k} {v}" for k, v in d.items())
-
-        out.append(f"| {r['trace']} | {r['adaptive_eager']:.0f} | {r['vs_fi_best_eager']:.2f} | "
+        picks = ", ".join(f"{k} {v}" for k, v in r["picks"].items())
+        out.append(f"| {r['trace']} | {r['auto_eager']:.0f} | {r['vs_fi_best_eager']:.2f} | "
                    f"{r['vs_best_fixed_eager']:.3f} ({r['best_fixed_eager']}) | "
-                   f"{r['adaptive_graph']:.0f} | {r['vs_fi_best_graph']:.2f} | "
-                   f"{r['vs_best_fixed_graph']:.3f} ({r['best_fixed_graph']}) | "
-                   f"{picks(r['picks_eager'])} | {picks(r['picks_graph'])} |")
+                   f"{r['auto_graph']:.0f} | {r['vs_fi_best_graph']:.2f} | "
+                   f"{r['vs_best_fixed_graph']:.3f} ({r['best_fixed_graph']}) | {picks} |")
     return "\n".join(out)
 
 

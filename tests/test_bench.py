@@ -1,16 +1,22 @@
 """The benchmark on the CPU: the functional run end to end, failure reporting, summaries."""
+import collections
 import json
 import math
+import re
 
 import pytest
 import torch
 
 from paged_case import ON_GPU
+from persistentkv.bench.adaptive import calibration_steps, evaluation_table
 from persistentkv.bench.backends import Backend, PersistentKV, PaddedSDPA, PerSequence, make_backends
 from persistentkv.bench.results import summarize
 from persistentkv.bench.runner import Measured, ModelShape, RunOptions, run_static, run_trace
 from persistentkv.bench.traces import make_trace
 from persistentkv.cli import main
+from persistentkv.policy import Policy, StepFeatures, fit_policy
+from persistentkv.runtime import sm_count
+from persistentkv.schedule import Choice
 
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 OPTS = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1)
@@ -30,14 +36,19 @@ class WrongBackend(Backend):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the same command runs the full suite: too long for a test")
 def test_functional_bench_writes_results(tmp_path):
-    assert main(["bench", "--out", str(tmp_path), "--backends", "pkv-split,pkv-workqueue,pkv-graph,per-sequence"]) == 0
+    backends = "pkv-grouped,pkv-split,pkv-split@2,pkv-auto,per-sequence"
+    assert main(["bench", "--out", str(tmp_path), "--backends", backends]) == 0
     data = json.loads((tmp_path / "traces-functional.json").read_text())
     env = data["environment"]
     assert env["functional_only"] and env["torch"] == torch.__version__ and "date" in env
     rows = {r["backend"]: r for r in data["summary"]}
-    assert set(rows) == {"pkv-split", "pkv-workqueue", "pkv-graph", "per-sequence"}
+    assert set(rows) == set(backends.split(","))
     assert all(r["status"] == "ok" and r["max_error"] < 2e-3 and r["steps"] == 2 for r in rows.values())
     assert (tmp_path / "traces-functional.csv").read_text().startswith("case,")
+    # pkv-auto's steps note the planner's choice: on the CPU no policy is fitted, so the fallback
+    notes = {(s["backend"], s["note"]) for s in data["steps"]}
+    assert {n for b, n in notes if b == "pkv-auto"} == {"split"}
+    assert {n for b, n in notes if b != "pkv-auto"} == {""}
 
 
 def test_wrong_backend_is_reported_failed_not_timed():
@@ -53,12 +64,12 @@ def test_trace_replay_measures_every_backend_on_the_same_steps():
     device = torch.device("cuda" if ON_GPU else "cpu")
     trace = make_trace("bucketed", batch_slots=2, num_requests=3, seed=1, buckets=(20, 70),
                        out_min=2, out_max=4)
-    backends = [PersistentKV("workqueue", layout="HND"), PaddedSDPA()]
+    backends = [PersistentKV("split", layout="HND"), PaddedSDPA()]
     measured = run_trace("t", trace, backends, shape=SHAPE, opts=OPTS, device=device)
     steps = {(s["step"], s["backend"]) for s in measured.steps}
     assert len(steps) == 2 * 2 and all(s["status"] == "ok" for s in measured.steps)
     rows = summarize(measured, ceiling_tbps=None)
-    assert {r["backend"] for r in rows} == {"pkv-workqueue", "padded-sdpa"}
+    assert {r["backend"] for r in rows} == {"pkv-split", "padded-sdpa"}
     assert all(r["tokens_per_s_eager"] > 0 for r in rows)
     # the trace's pools are let go: no backend keeps the last step (and its cache) alive
     assert all(getattr(b, "step", None) is None and getattr(b, "outs", None) is None
@@ -106,9 +117,10 @@ def test_backend_that_cannot_be_captured_is_reported_failed():
 def test_functional_calibrate_then_evaluate(tmp_path):
     policy_path = tmp_path / "policy.json"
     assert main(["calibrate", "--out", str(policy_path),
-                 "--candidates", "pkv-split,pkv-workqueue@4"]) == 0
+                 "--candidates", "pkv-grouped,pkv-split@4"]) == 0
     policy = json.loads(policy_path.read_text())
     assert policy["table"] and policy["fit"]["functional_only"]
+    assert set(policy["table"].values()) <= {"grouped", "split@4"}
     # the measurements are kept beside the policy, and a refit from them gives the same table
     refit_path = tmp_path / "refit.json"
     assert main(["calibrate", "--from-results", str(tmp_path / "policy-measurements.json"),
@@ -119,8 +131,54 @@ def test_functional_calibrate_then_evaluate(tmp_path):
     data = json.loads((tmp_path / "evaluate.json").read_text())
     (row,) = data["environment"]["evaluation"]
     assert row["trace"] == "b2-bucketed/seed100"
-    assert sum(row["picks_graph"].values()) == sum(row["picks_eager"].values()) == 2
-    assert {s["backend"] for s in data["steps"]} == {"pkv-split", "adaptive", "adaptive-eager"}
+    assert {s["backend"] for s in data["steps"]} == {"pkv-split", "pkv-auto"}
+    # pkv-auto decided on the device with the policy under evaluation, as decide() does on the
+    # host (the fallback, 'split', is not in this policy's table)
+    fitted = Policy.from_json(policy_path.read_text())
+    auto = [s for s in data["steps"] if s["backend"] == "pkv-auto"]
+    assert [s["note"] for s in auto] == [str(fitted.decide(StepFeatures(
+        rows=s["rows"], total_tokens=s["tokens"], max_len=s["max_seq_len"],
+        mean_len=s["tokens"] / s["rows"], spread=s["max_seq_len"] * s["rows"] / s["tokens"],
+        kv_bytes=s["kv_bytes"]))) for s in auto]
+    assert row["picks"] == dict(collections.Counter(s["note"] for s in auto))
+    assert sum(row["picks"].values()) == 2
+
+
+STEP = dict(status="ok", rows=2, tokens=3000, kv_bytes=1000, eager_us=10.0, plan_us=1.0,
+            run_us=1.0, graph_us=5.0, error=0.0, note="", max_seq_len=2000)
+
+
+def test_calibration_steps_take_our_fixed_choices_only():
+    """Labels become Choices; pkv-auto, config variants, FlashInfer and old labels are left out."""
+    names = ["pkv-grouped", "pkv-split", "pkv-split@16", "pkv-auto", "pkv-split:warps8",
+             "fi-xqa", "pkv-workqueue", "pkv-graph", "adaptive"]
+    measured = Measured("t", 2, 1, [{**STEP, "step": 3, "backend": n} for n in names])
+    steps = calibration_steps([measured])
+    assert [s["choice"] for s in steps] == [Choice("grouped"), Choice("split"), Choice("split", 16)]
+    assert {s["bin"] for s in steps} == {"r1-l0-s0"} and {s["step_key"] for s in steps} == {"t:3"}
+    policy = fit_policy(steps, gpu="test")
+    assert policy.table == {"r1-l0-s0": Choice("grouped")}   # a three-way tie: the first in order
+
+
+def test_evaluation_table_compares_pkv_auto_with_the_best_fixed_and_flashinfer():
+    def row(backend, eager, graph):
+        return {"case": "t", "backend": backend, "status": "ok", "tokens_per_s_eager": eager,
+                "tokens_per_s_graph": graph}
+
+    summary = [row("pkv-auto", 120.0, 300.0), row("pkv-split", 100.0, 310.0),
+               row("fi-xqa", 90.0, 200.0), row("fi-best", 80.0, 250.0)]
+    steps = [{**STEP, "step": i, "backend": "pkv-auto", "note": n}
+             for i, n in enumerate(["split@4", "grouped", "split@4"])]
+    steps.append({**STEP, "step": 0, "backend": "pkv-split"})
+    (r,) = evaluation_table(summary, [Measured("t", 2, 1, steps)])
+    assert r["picks"] == {"split@4": 2, "grouped": 1}
+    assert (r["auto_eager"], r["auto_graph"]) == (120.0, 300.0)
+    assert r["best_fixed_eager"] == "pkv-split 100" and r["best_fixed_graph"] == "pkv-split 310"
+    assert r["vs_best_fixed_eager"] == pytest.approx(1.2)
+    assert r["vs_best_fixed_graph"] == pytest.approx(300 / 310)
+    assert r["vs_fi_best_eager"] == pytest.approx(1.5)
+    assert r["vs_fi_best_graph"] == pytest.approx(1.2)
+    assert evaluation_table([row("pkv-split", 1.0, 1.0)], [Measured("t", 2, 1, steps)]) == []
 
 
 def test_report_draws_the_speedup_over_flashinfer(tmp_path):
@@ -144,14 +202,22 @@ def test_report_draws_the_speedup_over_flashinfer(tmp_path):
 
 def test_config_variants_are_checked_like_the_defaults():
     device = torch.device("cuda" if ON_GPU else "cpu")
-    names = ["pkv-workqueue:warps8", "pkv-split@2:warps2:stages2", "pkv-graph:pps2:waves3"]
+    names = ["pkv-grouped:warps8", "pkv-split@2:warps2:stages2", "pkv-auto:pps3:waves3"]
     backends, _ = make_backends(names, layout="HND", device=device)
     assert [b.name for b in backends] == names
+    assert all(b.capture_plan for b in backends)
     measured = run_static("B2", [40, 90], backends, shape=SHAPE, opts=OPTS, device=device)
     assert all(s["status"] == "ok" and s["error"] < 2e-3 for s in measured.steps)
-    config = backends[1].wrapper.plan_info.config
-    assert (config.num_warps, config.num_stages) == (2, 2)
-    assert backends[2].overrides == {"programs_per_sm": 2, "waves": 3.0}   # released after the run
-    for bad in ("pkv-split:warps", "pkv-split:colour3", "pkv-grouped@2:warps4"):
-        with pytest.raises(ValueError, match=bad):
+    plans = [b.wrapper.current_plan for b in backends]
+    assert [p.choice for p in plans] == [Choice("grouped"), Choice("split", 2), None]
+    assert (plans[1].config.num_warps, plans[1].config.num_stages) == (2, 2)
+    assert (plans[2].config.programs_per_sm, plans[2].config.waves) == (3, 3.0)
+    assert plans[2].programs == 3 * sm_count(plans[2].indices.device)
+    assert backends[2].overrides == {"programs_per_sm": 3, "waves": 3.0}   # released after the run
+    for bad in ("pkv-split:warps", "pkv-split:colour3", "pkv-grouped@2:warps4", "pkv-auto@4",
+                "pkv-split:warps8.5", "pkv-split:oneround2", "pkv-split@0", "pkv-workqueue",
+                "pkv-graph", "adaptive"):
+        with pytest.raises(ValueError, match=re.escape(f"['{bad}']")):
             make_backends([bad], layout="HND", device=device)
+    with pytest.raises(ValueError, match="KernelConfig.num_warps must be a positive int, got 0"):
+        make_backends(["pkv-split:warps0"], layout="HND", device=device)

@@ -1,4 +1,6 @@
 """The command line: bad input gets a one-line error naming the value, and exit code 2."""
+import json
+
 import pytest
 
 from persistentkv.cli import main
@@ -11,10 +13,40 @@ from persistentkv.cli import main
     (["bench", "--backends", "pkv-fast"], "unknown backend(s) ['pkv-fast']"),
     (["bench", "--trace-file", "no/such/trace.jsonl"], "no/such/trace.jsonl"),
     (["report", "no/such/results.json"], "no such results file: no/such/results.json"),
+    (["bench", "--backends", "pkv-workqueue,pkv-graph"],
+     "unknown backend(s) ['pkv-workqueue', 'pkv-graph']"),
+    (["bench", "--backends", "pkv-split:warps0"],
+     "KernelConfig.num_warps must be a positive int, got 0"),
+    (["calibrate", "--candidates", "pkv-split,pkv-auto,fi-xqa"],
+     "candidates must be pkv-grouped, pkv-split or pkv-split@N, got ['pkv-auto', 'fi-xqa']"),
+    (["evaluate", "--backends", "pkv-split@x"], "unknown backend(s) ['pkv-split@x']"),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_refit_from_results_without_candidate_steps(tmp_path, capsys):
+    """Measurements of an older version (its labels are no candidates now) are named, not fitted."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"environment": {"device": "test"}, "steps": [
+        {"case": "t", "step": 0, "backend": "pkv-workqueue", "status": "ok", "rows": 1,
+         "tokens": 10, "max_seq_len": 10, "graph_us": 1.0, "eager_us": 2.0}]}))
+    assert main(["calibrate", "--from-results", str(path), "--out", str(tmp_path / "p.json")]) == 2
+    assert f"from_results=['{path}'] holds no step of a candidate" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_defaults_name_the_new_backends():
+    from persistentkv.bench.adaptive import CANDIDATES
+    from persistentkv.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["calibrate"]).candidates == ",".join(CANDIDATES)
+    assert parser.parse_args(["bench"]).backends.split(",")[:3] == ["pkv-grouped", "pkv-split",
+                                                                   "pkv-auto"]
+    assert parser.parse_args(["evaluate"]).backends == (
+        "pkv-grouped,pkv-split,pkv-split@16,pkv-split@64,fi-cuda-core,fi-tensor-core,fi-xqa")
 
 
 def test_bad_trace_file_names_the_line(tmp_path, capsys):

@@ -119,8 +119,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="persistentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a small decode through every schedule, checked against the "
-                                       "float64 reference (GPU if present, else the CPU interpreter)")
+    demo = sub.add_parser("demo", help="a small decode through every plan() backend, checked "
+                                       "against the float64 reference (GPU if present, else the "
+                                       "CPU interpreter)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
 
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", default="results/sweep.json")
     sweep.set_defaults(func=cmd_sweep)
 
-    from .bench.adaptive import CALIBRATION_SEEDS, CANDIDATES, HELD_OUT_SEEDS
+    from .bench.adaptive import CALIBRATION_SEEDS, CANDIDATES, HELD_OUT_SEEDS   # (no triton)
 
     calibrate = sub.add_parser("calibrate", help="fit the policy that pkv-auto decides with, on "
                                                  "calibration traces")

@@ -1,12 +1,11 @@
-"""A small decode step through every schedule, checked against the float64 reference."""
+"""A small decode step through every backend of plan(), checked against the float64 reference."""
 from __future__ import annotations
 
 import torch
 
 from .cache import PagedKVCache
 from .reference import TOLERANCE, reference_decode, relative_error
-from .schedule import BACKENDS
-from .wrapper import DecodeWrapper
+from .wrapper import BACKENDS, DecodeWrapper
 
 
 def run_demo(*, device: str, seed: int = 0) -> int:
@@ -36,6 +35,8 @@ def run_demo(*, device: str, seed: int = 0) -> int:
         err = relative_error(wrapper.run(q, cache.pools[0]), ref)
         ok = err <= TOLERANCE[torch.float16]
         failed += not ok
-        print(f"  {backend:<10} split {plan.schedule.split_tokens:>5} tokens, grid {plan.schedule.grid}: "
-              f"relative error {err:.1e} {'ok' if ok else 'FAILED'}")
+        info = plan.info()
+        print(f"  {backend:<8} {str(info['choice']):<10} split {info['split_tokens']:>5} tokens, "
+              f"{info['num_tasks']} tasks on {plan.programs} programs: relative error {err:.1e} "
+              f"{'ok' if ok else 'FAILED'}")
     return 1 if failed else 0
