@@ -27,9 +27,11 @@ from .tuning import KernelConfig
 CAPACITY_QUANTUM = 256   # task buffers grow in steps of this many tasks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlanOptions:
-    """What plan() was asked for, checked once (DecodeWrapper.plan). choice None: the policy's."""
+    """What plan() was asked for, checked once (DecodeWrapper.plan). choice None: the policy's.
+    Compared by identity (the wrapper keeps one object per set of options), so that the caches
+    keyed by it hash it in nanoseconds."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -127,6 +129,8 @@ class Planner:
         self.workspace: Workspace | None = None
         self._launcher = Launcher(plan_kernel)
         self._policy_tensors: dict = {}
+        self._setups: dict = {}            # (options, device) -> _setup(...)
+        self._bound: dict = {}             # planner launches by options, table form, workspace
         # the last plan: (tensors, shapes, options, plan, planner launch, its leading tensors)
         self._memo: tuple | None = None
 
@@ -142,68 +146,88 @@ class Planner:
                 return None
         if memo[1] != tuple(None if t is None else t.shape for t in tensors):
             return None
-        memo[4](*memo[5])
+        memo[4].with_pointers(*memo[5])
         return memo[3]
 
     def plan(self, tensors: tuple, table: PageTableArgs, options: PlanOptions) -> DecodePlan:
         """Plan a step from its checked page table; `tensors` as the caller gave them."""
-        plan, launch = self._new_plan(table, options)
-        launch(*table.leading)
-        on_device = all(t is None or t.device == table.device for t in tensors)
-        self._memo = (tensors, tuple(None if t is None else t.shape for t in tensors), options,
-                      plan, launch, table.leading) if on_device else None
-        return plan
-
-    def _new_plan(self, table: PageTableArgs, options: PlanOptions) -> tuple[DecodePlan, BoundLaunch]:
-        device, cfg = table.device, options.config
+        device, ws = table.device, self.workspace
         if self.fixed_rows is not None and table.rows != self.fixed_rows:
             raise ValueError(f"graph mode takes page tables of max_batch_size={self.fixed_rows} "
                              f"rows, got {table.rows}")
         if self.fixed_pages is not None and table.pages > self.fixed_pages:
             raise ValueError(f"the page table holds {table.pages} page entries, over "
                              f"max_num_pages={self.fixed_pages}")
-        sms = sm_count(device)
-        target = balanced_task_count(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
-        codes = ([options.choice.code()] if options.choice is not None
-                 else self._policy(device).dense_codes())
+        setup = self._setups.get((options, device))
+        if setup is None:
+            setup = self._setups[options, device] = self._setup(options, device)
+        codes, target, fixed_tail = setup
         rows = self.fixed_rows or table.rows
         pages = self.fixed_pages or table.pages
-        capacity = max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
-                                  max_row_pages=table.max_row_pages) for c in codes)
-        ws = self.workspace
+        need = dict(tasks=max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
+                                         max_row_pages=table.max_row_pages) for c in codes),
+                    partial_heads=options.num_qo_heads, head_dim=options.head_dim,
+                    counters=rows * options.num_kv_heads)
         if ws is None or ws.device != device:
             ws = self.workspace = Workspace(device)
-        need = dict(tasks=capacity, partial_heads=options.num_qo_heads, head_dim=options.head_dim,
-                    counters=rows * options.num_kv_heads)
-        if self.fixed_rows is not None and ws.generation and not ws.fits(**need):
-            raise ValueError("graph mode sized its buffers at the first plan(); this plan needs "
-                             "more (smaller splits, more heads or a larger head_dim): build a new "
-                             "DecodeWrapper")
-        ws.reserve(**need)
-        edges, dense = self._device_table(device, codes if options.choice is None else None)
-        fixed = (edges, dense, ws.tasks, ws.info, table.rows, table.num_indices, table.row_stride,
-                 table.width, ws.capacity, codes[0] if options.choice is not None else 0, target,
-                 cfg.min_split_tokens, whole_row_min_rows(num_kv_heads=options.num_kv_heads,
-                                                          sm_count=sms),
-                 WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
-        constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=next_power_of_2(max(table.rows, 1)),
-                          BLOCK_SPLITS=32, CSR=table.csr, POLICY=options.choice is None,
-                          ONE_ROUND_STEPS=ONE_ROUND_STEPS if cfg.one_round else 0,
-                          EDGES=POLICY_EDGES)
-        key = (*constexprs.values(), device.index, *(t.data_ptr() % 16 for t in table.leading))
-        launch = self._launcher.bind(grid=(max(table.rows, 1),), key=key, fixed=fixed,
-                                     constexprs=constexprs, num_warps=4, num_stages=2,
-                                     device_index=device.index)
-        programs = min(cfg.programs_per_sm * sms, ws.capacity * options.num_kv_heads)
-        max_page = table.max_page
+        if not ws.fits(**need):
+            if self.fixed_rows is not None and ws.generation:
+                raise ValueError("graph mode sized its buffers at the first plan(); this plan "
+                                 "needs more (smaller splits, more heads or a larger head_dim): "
+                                 "build a new DecodeWrapper")
+            ws.reserve(**need)
+        block_rows = next_power_of_2(max(table.rows, 1))
+        leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
+        align = tuple(t.data_ptr() % 16 for t in table.leading)
+        bind_key = (options, device, table.csr, block_rows, align, id(ws), ws.generation)
+        launch = self._bound.get(bind_key)
+        if launch is None:
+            if len(self._bound) > 64:
+                self._bound.clear()
+            launch = self._bound[bind_key] = self._bind(options, table, ws, fixed_tail, block_rows,
+                                                        align)
+        programs = min(options.config.programs_per_sm * sm_count(device),
+                       ws.capacity * options.num_kv_heads)
         plan = DecodePlan(
             batch_size=table.rows, num_qo_heads=options.num_qo_heads,
             num_kv_heads=options.num_kv_heads, head_dim=options.head_dim,
-            page_size=options.page_size, sm_scale=options.sm_scale, config=cfg,
+            page_size=options.page_size, sm_scale=options.sm_scale, config=options.config,
             choice=options.choice, indices=table.indices, indices_ptr=table.indices.data_ptr(),
-            workspace=ws, programs=programs, max_page_index=max_page,
-            launch_key=(id(ws), ws.generation, options, programs, max_page))
-        return plan, launch
+            workspace=ws, programs=programs, max_page_index=table.max_page,
+            launch_key=(id(ws), ws.generation, options, programs, table.max_page))
+        call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])
+        launch.with_pointers(*call)
+        on_device = all(t is None or t.device == device for t in tensors)
+        self._memo = (tensors, tuple(None if t is None else t.shape for t in tensors), options,
+                      plan, launch, call) if on_device else None
+        return plan
+
+    def _setup(self, options: PlanOptions, device: torch.device) -> tuple:
+        """What plan() needs of a set of options, once: the choice codes the step may take, the
+        task target, and the planner's fixed arguments after the workspace buffers."""
+        cfg, sms = options.config, sm_count(device)
+        target = balanced_task_count(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
+        dense = None if options.choice is not None else self._policy(device).dense_codes()
+        codes = sorted({options.choice.code()} if dense is None else set(dense))
+        edges, table = self._device_table(device, dense)
+        fixed_tail = (options.choice.code() if dense is None else 0, target, cfg.min_split_tokens,
+                      whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
+                      WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
+        return codes, target, (edges, table, fixed_tail)
+
+    def _bind(self, options: PlanOptions, table: PageTableArgs, ws: Workspace, fixed_tail: tuple,
+              block_rows: int, align: tuple) -> BoundLaunch:
+        """The planner's launch with everything but the page table and its sizes bound."""
+        edges, dense, tail = fixed_tail
+        constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
+                          CSR=table.csr, POLICY=options.choice is None,
+                          ONE_ROUND_STEPS=ONE_ROUND_STEPS if options.config.one_round else 0,
+                          EDGES=POLICY_EDGES)
+        key = (*constexprs.values(), table.device.index, *align)
+        return self._launcher.bind(grid=(block_rows,), key=key,
+                                   fixed=(edges, dense, ws.tasks, ws.info, ws.capacity, *tail),
+                                   constexprs=constexprs, num_warps=4, num_stages=2,
+                                   device_index=table.device.index)
 
     def _policy(self, device: torch.device) -> Policy:
         if self.policy is None:

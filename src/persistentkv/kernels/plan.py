@@ -60,9 +60,8 @@ def _policy_code(edges_ptr, codes_ptr, active_rows, max_len, total, n_len_bins, 
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
                                "task_capacity", "choice", "target_tasks", "min_split_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins"])
-def plan_kernel(indptr_ptr, last_ptr, lens_ptr, edges_ptr, codes_ptr, tasks_ptr, info_ptr,
-                num_rows, num_indices, block_table_stride, block_table_width, task_capacity,
-                choice, target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
+def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
+                block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, task_capacity, choice, target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
                 one_round_slack, n_len_bins, n_spread_bins,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
@@ -76,7 +75,7 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, edges_ptr, codes_ptr, tasks_ptr,
     split rule, n > 0 splits of n pages. Task order: every row's splits but its last (all of the
     split size) in row order, then the rows' last splits, longest first. A step whose tasks do not
     fit in task_capacity plans no task and reports their count in info[4].
-    Grid: (num_rows,).
+    Grid: (BLOCK_ROWS,): programs past num_rows write nothing.
     """
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_ROWS)
