@@ -2,8 +2,9 @@
 
 A policy is a small decision table fitted by `persistentkv calibrate`: the steps' features are
 binned by active rows, longest context and spread (longest / mean), and each bin holds the choice
-that was fastest in total over the calibration steps that fell in it; a bin no calibration step
-reached takes the nearest fitted bin's choice. The planner reads the table on the device, as
+that was fastest in total over the calibration steps that fell in it (the default split rule
+when it is within the tie tolerance); a bin no calibration step reached takes the default rule,
+which is measured to hold on every shape of the grid. The planner reads the table on the device, as
 `dense_codes()` lays it out (every bin filled), so the same decision is taken inside a CUDA
 graph; `decide()` is the same lookup on the host, for reports and tests. Saved as JSON per GPU
 model. A GPU with no fitted policy gets the default split rule on every step (`fallback_choice`).
@@ -11,7 +12,6 @@ model. A GPU with no fitted policy gets the default split rule on every step (`f
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import json
 import statistics
@@ -65,27 +65,8 @@ def bin_of(*, rows: int, max_len: int, total_tokens: int) -> str:
             f"-s{bisect.bisect_left(SPREAD_EDGES, spread)}")
 
 
-@functools.lru_cache(maxsize=4096)
-def _bin_indices(key: str) -> tuple[int, ...]:
-    """'r2-l1-s0' -> (2, 1, 0)."""
-    return tuple(int(part[1:]) for part in key.split("-"))
-
-
 def _bin_key(indices: tuple[int, ...]) -> str:
     return "-".join(f"{p}{i}" for p, i in zip("rls", indices))
-
-
-def _nearest(table: dict, key: str):
-    """The table's entry for the bin nearest to `key` (fewest bin steps over rows, longest context
-    and spread; ties to the first key in sorted order); None for an empty table."""
-    if not table:
-        return None
-    want = _bin_indices(key)
-
-    def distance(k: str) -> int:
-        return sum(abs(a - b) for a, b in zip(_bin_indices(k), want))
-
-    return table[min(sorted(table), key=distance)]
 
 
 def fallback_choice() -> Choice:
@@ -101,25 +82,16 @@ class Policy:
     gpu: str
     table: dict[str, Choice] = field(default_factory=dict)
     fit: dict = field(default_factory=dict)     # how it was fitted: traces, seeds, objective, counts
-    # bin -> the nearest fitted bin's choice; the table is not edited after the first decide
-    _nearest_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def decide(self, features: StepFeatures) -> Choice:
-        """The choice for a step: its bin's, else the nearest fitted bin's, else the fallback."""
-        key = features.bin()
-        choice = self.table.get(key)
-        if choice is None:
-            choice = self._nearest_memo.get(key)
-            if choice is None:
-                choice = self._nearest_memo[key] = _nearest(self.table, key) or fallback_choice()
-        return choice
+        """The choice for a step: its bin's, else the fallback (the default split rule)."""
+        return self.table.get(features.bin()) or fallback_choice()
 
     def dense_codes(self) -> list[int]:
         """Choice codes (schedule.Choice.code) of every bin, rows-major then longest context then
         spread: what the planner looks up on the device."""
         bins = itertools.product(*(range(len(edges) + 1) for edges in EDGES))
-        return [(self.table.get(k) or _nearest(self.table, k) or fallback_choice()).code()
-                for k in map(_bin_key, bins)]
+        return [(self.table.get(k) or fallback_choice()).code() for k in map(_bin_key, bins)]
 
     # -- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -170,14 +142,13 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
     steps: one dict per (step, candidate) with 'bin' (StepFeatures.bin of the step), 'step_key'
     (unique per step), 'choice' (a Choice), 'status', 'graph_us' and 'eager_us' (us, lower is
     better). In each bin the candidate with the lowest total objective over the bin's steps wins,
-    among candidates measured (status ok) on every one of those steps; candidates within
-    tie_tolerance of that total count as tied, and the tie goes to the lowest total of the other
-    mode's time.
+    among candidates measured (status ok) on every one of those steps; when the default rule
+    (fallback_choice) is within tie_tolerance of that total it wins instead, so that a bin moves
+    off the rule only for a clear gain (host costs are the same for every choice: one planner).
     """
     modes = ("graph_us", "eager_us")
     if objective not in modes:
         raise ValueError(f"objective must be 'graph_us' or 'eager_us', got {objective!r}")
-    other = modes[1 - modes.index(objective)]
     by_bin: dict[str, dict[Choice, list]] = {}
     for s in steps:
         ok = s["status"] == "ok"
@@ -191,9 +162,11 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
         finite = [c for c in totals if totals[c][objective] < float("inf")]
         if not finite:
             continue
-        best = min(totals[c][objective] for c in finite)
-        tied = [c for c in finite if totals[c][objective] <= best * (1 + tie_tolerance)]
-        winner = min(tied, key=lambda c: (totals[c][other], totals[c][objective], str(c)))
+        winner = min(finite, key=lambda c: (totals[c][objective], str(c)))
+        default = fallback_choice()
+        if default in finite and (totals[default][objective]
+                                  <= totals[winner][objective] * (1 + tie_tolerance)):
+            winner = default
         table[bin_key] = winner
         counts[bin_key] = {"steps": n, "best": str(winner),
                            "median_us": statistics.median(x[objective] for x in per_choice[winner])}
