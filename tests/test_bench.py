@@ -157,7 +157,7 @@ def test_calibration_steps_take_our_fixed_choices_only():
     assert [s["choice"] for s in steps] == [Choice("grouped"), Choice("split"), Choice("split", 16)]
     assert {s["bin"] for s in steps} == {"r1-l0-s0"} and {s["step_key"] for s in steps} == {"t:3"}
     policy = fit_policy(steps, gpu="test")
-    assert policy.table == {"r1-l0-s0": Choice("grouped")}   # a three-way tie: the first in order
+    assert policy.table == {"r1-l0-s0": Choice("split")}   # a three-way tie: the default rule
 
 
 def test_evaluation_table_compares_pkv_auto_with_the_best_fixed_and_flashinfer():

@@ -5,6 +5,12 @@ import torch
 from paged_case import ON_GPU, block_kwargs, csr_kwargs, make_case
 from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
 
+
+def schedule(backend, split_pages=None) -> dict:
+    """plan()'s schedule options: split_pages goes with backend="split" only ("grouped" keeps rows
+    whole, "auto" picks the split itself)."""
+    return dict(backend=backend, split_pages=split_pages if backend == "split" else None)
+
 # (num_qo_heads, num_kv_heads, head_dim, page_size, seq_lens): odd lengths, last page full and
 # holding 1 token, mixed lengths in one batch, group sizes 1, 4, 5, 8, 7, 16.
 SHAPES = [
@@ -20,7 +26,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 def check(case, wrapper, out, lse=None):
     ref, ref_lse = reference_decode(case.q, case.kv_cache, layout=case.layout,
-                                    sm_scale=wrapper.plan_info.sm_scale, **csr_kwargs(case.table))
+                                    sm_scale=wrapper.current_plan.sm_scale, **csr_kwargs(case.table))
     err = relative_error(out, ref)
     assert err <= TOLERANCE[case.q.dtype], f"relative error {err:.2e} over {TOLERANCE[case.q.dtype]}"
     if lse is not None:
@@ -36,9 +42,9 @@ def test_matches_reference(backend, layout, dtype, hq, hkv, dim, page, lens):
     case = make_case(seq_lens=lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, page_size=page,
                      dtype=dtype, layout=layout)
     wrapper = DecodeWrapper(layout)
-    # small splits, so that split and work-queue cut rows into several tasks and merge them
+    # small splits, so that "split" cuts rows into several tasks and merges them
     wrapper.plan(**csr_kwargs(case.table), num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim,
-                 page_size=page, backend=backend, split_pages=max(1, 48 // page))
+                 page_size=page, **schedule(backend, max(1, 48 // page)))
     out = torch.full_like(case.q, float("nan"))
     wrapper.run(case.q, case.kv_cache, out=out)
     check(case, wrapper, out)
@@ -57,16 +63,18 @@ def test_block_table_pair_cache_and_lse(backend):
     check(case, wrapper, out, lse)
 
 
-@pytest.mark.parametrize("backend", ["split", "workqueue"])
+@pytest.mark.parametrize("form", ["csr", "block"])
 @pytest.mark.parametrize("hq, hkv, dim", [(8, 2, 128), (3, 3, 64), (16, 2, 64)],
                          ids=["g4-d128", "g1-d64", "g8-d64"])
-def test_merge_of_many_splits(backend, hq, hkv, dim):
-    """Rows of 1, 19 and 63 splits of one page: long merges, group sizes 1, 4 and 8, lse."""
+def test_merge_of_many_splits(form, hq, hkv, dim):
+    """Rows of 63, 1 and 19 splits of one page: long merges, group sizes 1, 4 and 8, lse."""
     case = make_case(seq_lens=[1000, 5, 300], num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim,
                      page_size=16)
     wrapper = DecodeWrapper("NHD")
-    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim,
-                 page_size=16, backend=backend, split_pages=1)
+    table = csr_kwargs(case.table) if form == "csr" else block_kwargs(case.table)
+    plan = wrapper.plan(**table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, page_size=16,
+                        backend="split", split_pages=1)
+    assert plan.info()["num_tasks"] == 63 + 1 + 19
     out = torch.full_like(case.q, float("nan"))
     out, lse = wrapper.run(case.q, case.kv_cache, out=out, return_lse=True)
     check(case, wrapper, out, lse)
@@ -77,7 +85,7 @@ def test_head_dim_256_group_16(backend):
     case = make_case(seq_lens=[70, 20], num_qo_heads=16, num_kv_heads=1, head_dim=256, page_size=16)
     wrapper = DecodeWrapper("NHD")
     wrapper.plan(**csr_kwargs(case.table), num_qo_heads=16, num_kv_heads=1, head_dim=256,
-                 page_size=16, backend=backend, split_pages=2)
+                 page_size=16, **schedule(backend, 2))
     check(case, wrapper, wrapper.run(case.q, case.kv_cache))
 
 
@@ -90,7 +98,7 @@ def test_page_size_128_and_one_plan_many_layers():
         assert all((a == b).all() for a, b in zip(c.table.row_pages, cases[0].table.row_pages))
     wrapper = DecodeWrapper("NHD")
     wrapper.plan(**csr_kwargs(cases[0].table), num_qo_heads=4, num_kv_heads=2, head_dim=64,
-                 page_size=128, backend="workqueue", split_pages=1)
+                 page_size=128, backend="split", split_pages=1)
     for case in cases:
         check(case, wrapper, wrapper.run(case.q, case.kv_cache))
 
@@ -110,7 +118,7 @@ def test_results_do_not_depend_on_the_schedule():
     for backend in BACKENDS:
         wrapper = DecodeWrapper("NHD")
         wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
-                     page_size=16, backend=backend, split_pages=4)
+                     page_size=16, **schedule(backend, 4))
         outs.append(wrapper.run(case.q, case.kv_cache).float())
     for other in outs[1:]:
         assert (other - outs[0]).abs().max() < 5e-3
@@ -178,16 +186,19 @@ def test_gpu_batch_1024():
         check(case, wrapper, wrapper.run(case.q, case.kv_cache))
 
 
-@pytest.mark.parametrize("backend", ["split", "workqueue"])
-def test_merge_counters_reset_and_runs_repeat_bitwise(backend):
-    """The last task of a row merges it and leaves the row's counter at zero, so the next launch
-    (another layer, or a graph replay) starts clean; the merge order is fixed, so reruns agree."""
+@pytest.mark.parametrize("split_pages", [2, None], ids=["split@2", "default-split"])
+def test_merge_counters_reset_and_runs_repeat_bitwise(split_pages):
+    """The last task of a row merges it and leaves the row's counter at zero, and the last claim
+    resets the claim counter, so the next launch (another layer, or a graph replay) starts clean;
+    the merge order is fixed, so reruns agree."""
     case = make_case(seq_lens=[300, 7, 129], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     wrapper = DecodeWrapper("NHD")
-    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
-                 backend=backend, split_pages=2)
+    plan = wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                        page_size=16, backend="split", split_pages=split_pages)
+    assert (plan.task_records()[:, 6] > 1).any()              # some row merges
     first = wrapper.run(case.q, case.kv_cache).clone()
-    assert int(wrapper._counters.abs().sum()) == 0
+    assert int(plan.workspace.counters.abs().sum()) == 0
+    assert int(plan.workspace.info[3]) == 0                    # the claim counter
     second = wrapper.run(case.q, case.kv_cache)
     assert torch.equal(first, second)
     check(case, wrapper, second)
@@ -205,7 +216,7 @@ def test_every_call_reads_its_own_pointers(as_pair):
         for c in cases[1:]:       # one page table per step, fresh q and K/V per layer
             c.table = cases[0].table
         wrapper.plan(**csr_kwargs(cases[0].table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
-                     page_size=16, backend="workqueue", split_pages=2)
+                     page_size=16, backend="split", split_pages=2)
         for layer, case in enumerate(cases):
             out = torch.full_like(case.q, float("nan"))
             got, lse = wrapper.run(case.q, case.kv_cache, out=out, return_lse=True)
@@ -216,11 +227,28 @@ def test_every_call_reads_its_own_pointers(as_pair):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the direct launch exists only for compiled kernels; the "
                                        "interpreter always takes Triton's own path")
-def test_gpu_later_launches_skip_tritons_binding_unless_hooked():
+def test_gpu_later_launches_skip_tritons_binding_unless_hooked(monkeypatch):
     """The first launch of a specialization goes through kernel[grid]; later ones, and those of a
-    new plan with the same specialization, call the compiled launcher directly; a registered
-    launch hook (a profiler) sends them back through Triton's path, which calls it."""
+    new plan with the same specialization, call the compiled launcher directly (the planner's and
+    the decode kernel's alike); a registered launch hook (a profiler) sends them back through
+    Triton's path, which calls it. kernel[grid] is watched on Triton's JIT function class."""
     from triton import knobs
+
+    from persistentkv.kernels.decode import paged_decode_kernel
+    from persistentkv.kernels.plan import plan_kernel
+
+    ours = {id(paged_decode_kernel): "decode", id(plan_kernel): "plan"}
+    bound = []
+    jit_class = type(paged_decode_kernel)
+    assert type(plan_kernel) is jit_class
+    binding = jit_class.__getitem__
+
+    def watched(kernel, grid):
+        if id(kernel) in ours:
+            bound.append(ours[id(kernel)])
+        return binding(kernel, grid)
+
+    monkeypatch.setattr(jit_class, "__getitem__", watched)
 
     def case_for(seed):
         return make_case(seq_lens=[300, 7, 129], num_qo_heads=8, num_kv_heads=2, head_dim=64,
@@ -229,34 +257,30 @@ def test_gpu_later_launches_skip_tritons_binding_unless_hooked():
     wrapper, heads = DecodeWrapper("NHD"), dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     first = case_for(1)
     wrapper.plan(**csr_kwargs(first.table), **heads)
-    wrapper.run(first.q, first.kv_cache)
-
-    class NoBinding:
-        arg_names = wrapper._launcher.kernel.arg_names
-
-        def __getitem__(self, grid):
-            raise AssertionError("launched through kernel[grid]")
-
-    kernel, wrapper._launcher.kernel = wrapper._launcher.kernel, NoBinding()
+    check(first, wrapper, wrapper.run(first.q, first.kv_cache))
+    assert sorted(set(bound)) == ["decode", "plan"]        # the watch sees Triton's path
+    bound.clear()
     for seed in (2, 3):
         case = case_for(seed)
         wrapper.plan(**csr_kwargs(case.table), **heads)
         check(case, wrapper, wrapper.run(case.q, case.kv_cache))
-    wrapper._launcher.kernel = kernel
+    assert bound == [], "a later launch went through kernel[grid]"
     seen = []
     hook = lambda metadata: seen.append(metadata)  # noqa: E731
     knobs.runtime.launch_enter_hook.add(hook)
     try:
+        wrapper.plan(**csr_kwargs(case.table), **heads)
         check(case, wrapper, wrapper.run(case.q, case.kv_cache))
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert seen
+    assert sorted(set(bound)) == ["decode", "plan"] and len(seen) >= 2
 
 
 def test_checks_still_run_after_a_cached_signature():
     case = make_case(seq_lens=[30, 50], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     wrapper = DecodeWrapper("NHD")
-    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                 check_page_table=True)      # run() then checks the page range against the pool
     wrapper.run(case.q, case.kv_cache)
     with pytest.raises(TypeError, match="q.dtype=torch.bfloat16 differs"):
         wrapper.run(case.q.bfloat16(), case.kv_cache)
@@ -270,7 +294,7 @@ def test_checks_still_run_after_a_cached_signature():
 @pytest.mark.parametrize("page, block_n", [(12, 32), (8, 128), (32, 16), (128, 64), (1, 16)],
                          ids=["p12-not-a-power-of-two", "p8-16-pages-per-tile", "p32-tile-in-page",
                               "p128-tile-in-page", "p1"])
-@pytest.mark.parametrize("backend", ["split", "workqueue"])
+@pytest.mark.parametrize("backend", ["split", "grouped"])
 def test_page_size_and_tile_combinations(backend, page, block_n):
     """Tiles spanning many pages, tiles inside one page, and a page size that is not a power of two."""
     from persistentkv.tuning import KernelConfig
@@ -279,6 +303,6 @@ def test_page_size_and_tile_combinations(backend, page, block_n):
                      page_size=page, layout="HND")
     wrapper = DecodeWrapper("HND")
     wrapper.plan(**csr_kwargs(case.table), num_qo_heads=4, num_kv_heads=1, head_dim=64,
-                 page_size=page, backend=backend, split_pages=max(1, 64 // page),
+                 page_size=page, **schedule(backend, max(1, 64 // page)),
                  config=KernelConfig(block_n=block_n, num_stages=2))
     check(case, wrapper, wrapper.run(case.q, case.kv_cache))

@@ -1,9 +1,10 @@
 """Bad input gets a ValueError or TypeError that names the argument and the value."""
+import numpy as np
 import pytest
 import torch
 
 from paged_case import block_kwargs, csr_kwargs, make_case
-from persistentkv import DecodeWrapper, PagedKVCache
+from persistentkv import TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode, relative_error
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
@@ -53,37 +54,49 @@ def test_tensors_on_different_devices(case):
 
 
 def test_page_index_outside_pool(case):
+    """check_page_table=True: run() checks the used page indices against the pool, plan() their
+    signs; a table refilled in place and planned again is checked again (no replan shortcut)."""
     indptr, indices, last = case.table.csr(case.q.device)
     indices = indices.clone()
-    indices[1] = 10_000
     wrapper = DecodeWrapper("NHD")
-    wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+    wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
+                 check_page_table=True)
+    wrapper.run(case.q, case.kv_cache)
+    indices[1] = 10_000                                  # the same tensors, refilled in place
+    wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
+                 check_page_table=True)
     with pytest.raises(ValueError, match="page index 10000 .* outside the pool"):
         wrapper.run(case.q, case.kv_cache)
     indices[1] = -3
     with pytest.raises(ValueError, match="page index -3"):
-        wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+        wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
+                     check_page_table=True)
 
 
-def test_check_indices_false_trusts_the_page_table(case):
-    """check_indices=False: no read of the page indices in plan() (nor the range check in run());
-    with the lengths on the host, plan() never waits for the device."""
+def test_check_page_table_false_trusts_the_page_table(case):
+    """The default, check_page_table=False: plan() reads no value of the page table (a negative
+    index or a bad indptr passes) and run() has no page range to check."""
     indptr, indices, last = case.table.csr(case.q.device)
     bad = indices.clone()
     bad[1] = -3
     wrapper = DecodeWrapper("NHD")
-    plan = wrapper.plan(kv_indptr=indptr.cpu(), kv_indices=bad, kv_last_page_len=last.cpu(),
-                        check_indices=False, **HEADS)
-    assert plan.max_page_index == -1 and plan.exact_max_page is None
-    wrapper.plan(kv_indptr=indptr.cpu(), kv_indices=indices, kv_last_page_len=last.cpu(),
-                 check_indices=False, **HEADS)
+    plan = wrapper.plan(kv_indptr=indptr.cpu(), kv_indices=bad, kv_last_page_len=last.cpu(), **HEADS)
+    assert plan.max_page_index == -1
+    assert DecodeWrapper("NHD").plan(kv_indptr=indptr + 1, kv_indices=indices, kv_last_page_len=last,
+                                     **HEADS).max_page_index == -1
+    wrapper.plan(kv_indptr=indptr.cpu(), kv_indices=indices, kv_last_page_len=last.cpu(), **HEADS)
     out = wrapper.run(case.q, case.kv_cache)
     checked = DecodeWrapper("NHD")
-    checked.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+    plan = checked.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
+                        check_page_table=True)
+    assert plan.max_page_index == int(indices.max())
     assert torch.equal(out, checked.run(case.q, case.kv_cache))
-    with pytest.raises(TypeError, match="check_indices must be a bool, got 1"):
+    with pytest.raises(TypeError, match="check_page_table must be a bool, got 1"):
         wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
-                     check_indices=1, **HEADS)
+                     check_page_table=1, **HEADS)
+    with pytest.raises(TypeError, match="check_indices"):       # the old name is gone
+        wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                     check_indices=True, **HEADS)
 
 
 def test_length_larger_than_pages_hold(case):
@@ -91,12 +104,21 @@ def test_length_larger_than_pages_hold(case):
     seq_lens = seq_lens.clone()
     seq_lens[0] = 1000
     with pytest.raises(ValueError, match=r"seq_lens\[0\]=1000 needs 63 pages"):
-        DecodeWrapper("NHD").plan(block_table=block_table, seq_lens=seq_lens, **HEADS)
+        DecodeWrapper("NHD").plan(block_table=block_table, seq_lens=seq_lens, **HEADS,
+                                  check_page_table=True)
+    seq_lens[0] = -1
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=-1 is negative"):
+        DecodeWrapper("NHD").plan(block_table=block_table, seq_lens=seq_lens, **HEADS,
+                                  check_page_table=True)
     indptr, indices, last = case.table.csr(case.q.device)
     last = last.clone()
     last[1] = 17
     with pytest.raises(ValueError, match=r"kv_last_page_len\[1\]=17 must be in \[1, page_size=16\]"):
-        DecodeWrapper("NHD").plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+        DecodeWrapper("NHD").plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                                  **HEADS, check_page_table=True)
+    with pytest.raises(ValueError, match=r"kv_indptr\[-1\]=5 is past the end of kv_indices"):
+        DecodeWrapper("NHD").plan(kv_indptr=indptr, kv_indices=indices[:2], kv_last_page_len=last,
+                                  **HEADS, check_page_table=True)
 
 
 def test_index_tensors_not_int32(case):
@@ -116,19 +138,30 @@ def test_cache_fits_neither_layout(case):
         planned(case).run(case.q, bad)
 
 
-def test_zero_length_row():
-    case = make_case(seq_lens=[20, 40], **HEADS)
-    block_table, seq_lens = case.table.block_table(case.q.device)
-    seq_lens[1] = 0
-    with pytest.raises(ValueError, match="row 1 has length 0"):
-        DecodeWrapper("NHD").plan(block_table=block_table, seq_lens=seq_lens, **HEADS)
+@pytest.mark.parametrize("form", ["csr", "block"])
+@pytest.mark.parametrize("backend", ["auto", "grouped", "split"])
+def test_zero_length_rows_are_inactive(form, backend):
+    """A row of length 0 (no pages, or seq_lens 0) is no error: it is inactive, its output row is
+    left untouched (the NaN poison stays) and the other rows match the reference."""
+    lens = [20, 0, 40, 0]
+    case = make_case(seq_lens=lens, **HEADS)
+    table = csr_kwargs(case.table) if form == "csr" else block_kwargs(case.table)
+    wrapper = DecodeWrapper("NHD")
+    plan = wrapper.plan(**table, **HEADS, backend=backend, check_page_table=True)
+    assert set(plan.task_records()[:, 0].tolist()) == {0, 2}
+    out = torch.full_like(case.q, float("nan"))
+    out, lse = wrapper.run(case.q, case.kv_cache, out=out, return_lse=True)
+    assert torch.isnan(out[[1, 3]].float()).all()
+    ref, ref_lse = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+    assert relative_error(out[[0, 2]], ref[[0, 2]]) <= TOLERANCE[torch.float16]
+    assert relative_error(lse[[0, 2]], ref_lse[[0, 2]]) <= 1e-5
 
 
 def test_mixed_page_table_forms_and_bad_options(case):
     kw = {**csr_kwargs(case.table), **block_kwargs(case.table)}
     with pytest.raises(ValueError, match="not a mix"):
         DecodeWrapper("NHD").plan(**kw, **HEADS)
-    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+    with pytest.raises(ValueError, match="backend must be one of"):
         planned(case, backend="fast")
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         DecodeWrapper("NDH")
@@ -142,7 +175,7 @@ def test_kv_indptr_malformed(case):
     indptr, indices, last = case.table.csr(case.q.device)
     with pytest.raises(ValueError, match="kv_indptr must start at 0"):
         DecodeWrapper("NHD").plan(kv_indptr=indptr + 1, kv_indices=indices, kv_last_page_len=last,
-                                  **HEADS)
+                                  **HEADS, check_page_table=True)
     with pytest.raises(ValueError, match="batch_size \\+ 1 = 3"):
         DecodeWrapper("NHD").plan(kv_indptr=indptr[:2], kv_indices=indices, kv_last_page_len=last,
                                   **HEADS)
@@ -186,10 +219,69 @@ def test_block_table_padding_is_ignored_but_used_entries_are_checked(case):
         padded = block_table.clone()
         padded[0, 2:] = pad
         padded[1, 3:] = pad
-        wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS)
+        plan = wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS, check_page_table=True)
+        assert plan.max_page_index == int(block_table.max())
         wrapper.run(case.q, case.kv_cache)                         # no false alarm
     padded = block_table.clone()
     padded[1, 2] = 10_000                                          # a used entry
-    wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS)
+    wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS, check_page_table=True)
     with pytest.raises(ValueError, match="page index 10000 .* outside the pool"):
         wrapper.run(case.q, case.kv_cache)
+    padded[1, 2] = -1
+    with pytest.raises(ValueError, match="page index -1 in the page table is negative"):
+        wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS, check_page_table=True)
+
+
+def test_non_contiguous_page_table_tensors(case):
+    kw = csr_kwargs(case.table)
+    spread = torch.zeros(2 * kw["kv_indices"].numel(), dtype=torch.int32, device=case.q.device)
+    spread[::2] = kw["kv_indices"]
+    with pytest.raises(ValueError, match="kv_indices must be contiguous, got stride 2"):
+        DecodeWrapper("NHD").plan(**{**kw, "kv_indices": spread[::2]}, **HEADS)
+    block_table, seq_lens = case.table.block_table(case.q.device)
+    lens = torch.stack([seq_lens, seq_lens], dim=1)[:, 0]
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        DecodeWrapper("NHD").plan(block_table=block_table, seq_lens=lens, **HEADS)
+
+
+def test_out_as_an_expanded_view(case):
+    """An output whose rows (or heads) share memory cannot take every row's result."""
+    wrapper = planned(case)
+    for out in (torch.empty(1, 8, 64, dtype=torch.float16, device=case.q.device).expand(2, 8, 64),
+                torch.empty(2, 1, 64, dtype=torch.float16, device=case.q.device).expand(2, 8, 64)):
+        with pytest.raises(ValueError, match="out must not overlap itself"):
+            wrapper.run(case.q, case.kv_cache, out=out)
+    with pytest.raises(ValueError, match=r"out must be like q"):
+        wrapper.run(case.q, case.kv_cache, out=torch.empty_like(case.q)[:1])
+
+
+def test_sm_scale_values(case):
+    for bad in (True, 0.0, -1.0, float("nan"), float("inf"), "x"):
+        with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+            planned(case, sm_scale=bad)
+    wrapper = planned(case, sm_scale=np.float32(0.125))
+    assert type(wrapper.current_plan.sm_scale) is float and wrapper.current_plan.sm_scale == 0.125
+    out = wrapper.run(case.q, case.kv_cache)
+    assert torch.equal(out, planned(case, sm_scale=0.125).run(case.q, case.kv_cache))
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", sm_scale=0.125,
+                              **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
+def test_removed_backends_are_refused(case):
+    for old in ("workqueue", "pkv-split", "graph"):
+        with pytest.raises(ValueError, match=r"backend must be one of \('grouped', 'split', 'auto'\)"):
+            planned(case, backend=old)
+    with pytest.raises(ValueError, match="split_pages=2 needs backend='split'"):
+        planned(case, backend="grouped", split_pages=2)
+    with pytest.raises(ValueError, match="backend='auto' chooses the split itself"):
+        planned(case, split_pages=2)
+    with pytest.raises(ValueError, match="backend='grouped' keeps them whole"):
+        planned(case, backend="grouped", deterministic=True)
+
+
+@pytest.mark.parametrize("scale", [[0.1], "0.1"])
+def test_sm_scale_must_be_a_real_number(scale):
+    case = make_case(seq_lens=[5], **HEADS)
+    with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+        DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **HEADS, sm_scale=scale)

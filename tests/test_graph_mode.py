@@ -1,13 +1,17 @@
-"""Graph mode: planning on the GPU into static buffers, one graph for every batch composition."""
+"""Graph mode (buffers sized once, one graph for every batch composition) and the planner's
+per-step choice for backend="auto": the device's policy lookup against Policy.decide."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_case import DEVICE, ON_GPU
-from persistentkv import TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode, relative_error
+from persistentkv import (TOLERANCE, DecodeWrapper, PagedKVCache, PageTable, reference_decode,
+                          relative_error)
 from persistentkv.bench.traces import make_trace, replay
-from persistentkv.runtime import sm_count
+from persistentkv.policy import MAX_LEN_EDGES, ROW_EDGES, SPREAD_EDGES, Policy, StepFeatures
+from persistentkv.schedule import Choice
 from persistentkv.tuning import KernelConfig
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
@@ -46,6 +50,13 @@ class StaticTable:
         return dict(block_table=self.block_table, seq_lens=self.seq_lens)
 
 
+def _graph_wrapper(form: str = "csr", **kw) -> DecodeWrapper:
+    """Graph mode sized for StaticTable: max_num_pages bounds the table's page entries, which are
+    kv_indices (CSR) or every entry of block_table (MAX_B x its width)."""
+    return DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B,
+                         max_num_pages=MAX_PAGES if form == "csr" else MAX_B * MAX_PAGES, **kw)
+
+
 def _cache(seed=0):
     return PagedKVCache(num_layers=1, num_pages=MAX_PAGES, device=DEVICE, shuffle_seed=seed,
                         init="randn", layout="HND", page_size=16, num_kv_heads=2, head_dim=64)
@@ -70,89 +81,139 @@ def _check_rows(q, out, cache, table, step):
 
 
 @pytest.mark.parametrize("form", ["csr", "block"])
-def test_device_plan_matches_reference_as_the_batch_changes(form):
+def test_graph_mode_plan_matches_reference_as_the_batch_changes(form):
     cache, static = _cache(), StaticTable()
-    wrapper = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
+    wrapper = _graph_wrapper(form)
     q = torch.randn(MAX_B, 8, 64, dtype=torch.float16, device=DEVICE)
     for step, lens in enumerate([[40], [300, 7, 64], [1, 2, 3, 500]]):
         table = _hold_only(cache, lens)
         static.fill(table)
-        wrapper.plan(**static.kwargs(form), **HEADS, split_pages=2)
+        plan = wrapper.plan(**static.kwargs(form), **HEADS, backend="split", split_pages=2)
+        assert plan.info()["num_tasks"] == sum(-(-n // 32) for n in lens)
         out = torch.full_like(q, float("nan"))
         wrapper.run(q, cache.pools[0], out=out)
         _check_rows(q, out, cache, table, step)
         assert torch.isnan(out[len(lens):].float()).all()  # inactive rows are left untouched
-        assert int(wrapper._counters.abs().sum()) == 0
+        assert int(plan.workspace.counters.abs().sum()) == 0
 
 
-def _host_and_device_plans(lens, split_pages, seed=1, config=None):
-    cache, static = _cache(seed), StaticTable()
-    static.fill(_hold_only(cache, lens))
-    device = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
-    plan = device.plan(**static.kwargs("csr"), **HEADS, split_pages=split_pages, config=config)
-    host = DecodeWrapper("HND").plan(**dict(zip(("kv_indptr", "kv_indices", "kv_last_page_len"),
-                                                cache.page_table().csr(DEVICE))),
-                                     **HEADS, backend="workqueue", split_pages=split_pages,
-                                     config=config)
-    return plan, host
+# a step per bin edge: rows 1 | 4 | 8 | 32 (and one more), longest 2048 | 8192 | 32768 (and one
+# more), spread (longest / mean) exactly 2.0 and just over; zeros are inactive rows
+EDGE_STEPS = [[2048], [2049], [8192], [8193], [32768], [32769], [5] * 4, [5] * 5, [5] * 8, [5] * 9,
+              [8, 2, 2, 4], [9, 2, 2, 4], [8, 0, 2, 2, 0, 4], [4096, 1024, 1024, 2048],
+              [8192, 0, 2048, 4096, 2048], [32768] + [16384] * 3, [0], [0, 0, 0],
+              [32] * 31 + [64], [2048] * 32, [8193] + [1] * 32, [100] * 16 + [0] * 17 + [200] * 17]
 
 
-def _assert_same_work(plan, host, batch):
-    n, split_tokens = plan.plan_info.tolist()
-    assert split_tokens == host.schedule.split_tokens
-    assert n == host.tasks.shape[1]
-    got = sorted(map(tuple, plan.tasks[:, :n].T.tolist()))
-    assert got == sorted(map(tuple, host.tasks.T.tolist()))
-    assert plan.meta[:, :batch].tolist() == host.meta.tolist()
+def _every_bin_policy() -> Policy:
+    """A distinct choice in every bin: the device's bin is read off the choice it ran."""
+    bins = [f"r{r}-l{ln}-s{s}" for r in range(len(ROW_EDGES) + 1)
+            for ln in range(len(MAX_LEN_EDGES) + 1) for s in range(len(SPREAD_EDGES) + 1)]
+    choices = [Choice("grouped"), Choice("split")] + [Choice("split", 64 + i)
+                                                      for i in range(len(bins) - 2)]
+    return Policy(gpu="test", table=dict(zip(bins, choices)))
 
 
-def test_device_plan_tasks_agree_with_host_plan():
-    plan, host = _host_and_device_plans([300, 7, 64], split_pages=2)
-    assert host.tasks.shape[1] == 10 + 1 + 2
-    _assert_same_work(plan, host, 3)
+SPARSE_POLICY = Policy(gpu="test", table={"r0-l0-s0": Choice("split", 3),
+                                          "r1-l3-s1": Choice("grouped"),
+                                          "r4-l1-s0": Choice("split", 70)})
 
 
-@pytest.mark.parametrize("one_round", [False, True])
-@pytest.mark.parametrize("lens", [[300, 7, 64], [100, 90], [1], [700, 1, 1, 40], [16, 16, 16, 16],
-                                  [300, 300, 300]])
-def test_device_plan_picks_the_host_split_size(lens, one_round):
-    """Without split_pages the GPU planner applies the host's split rule to the step's lengths:
-    same split size, same tasks, same partial slots (a balanced split, whole rows, one page)."""
-    # 8 tasks per KV head on any GPU (one_round leaves room for the rows' rounding)
-    config = KernelConfig(min_split_tokens=16, waves=16 / sm_count(torch.device(DEVICE)),
-                          one_round=one_round)
-    plan, host = _host_and_device_plans(lens, split_pages=None, config=config)
-    _assert_same_work(plan, host, len(lens))
+def _check_auto_choice(lens, policy):
+    """plan(backend="auto") on the device runs the choice Policy.decide makes on the host."""
+    lens = [int(n) for n in lens]
+    pages = np.cumsum([0] + [-(-n // 16) for n in lens])
+    perm = np.random.default_rng(len(lens)).permutation(int(pages[-1]))
+    table = PageTable(row_pages=tuple(perm[a:b] for a, b in zip(pages, pages[1:])),
+                      seq_lens=np.asarray(lens, dtype=np.int64), page_size=16)
+    indptr, indices, last = table.csr(DEVICE)
+    wrapper = DecodeWrapper("HND", policy=policy)
+    plan = wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                        num_qo_heads=2, num_kv_heads=2, head_dim=16, page_size=16, backend="auto",
+                        config=KernelConfig(one_round=False))
+    features = StepFeatures.of(lens, num_kv_heads=2, head_dim=16, elem_size=2)
+    want = policy.decide(features)
+    info = plan.info()
+    assert info["choice"] == want, (lens, features.bin())
+    if want.split_pages is not None:
+        assert info["split_tokens"] == want.split_pages * 16
+    elif want.schedule == "grouped" and features.rows:
+        assert info["split_tokens"] == -(-features.max_len // 16) * 16
+        assert info["num_tasks"] == features.rows
+    return info["choice"]
 
 
-@settings(max_examples=30, deadline=None)
-@given(lens=st.lists(st.integers(1, 256), min_size=1, max_size=MAX_B), tasks=st.integers(1, 12),
-       one_round=st.booleans())
-def test_device_split_rule_matches_the_host_on_random_steps(lens, tasks, one_round):
-    """The GPU planner's split rule (balanced share, whole rows, one_round's growth and fallback,
-    even splits) gives the host's split size and tasks on random lengths and targets."""
-    config = KernelConfig(min_split_tokens=16, waves=2 * tasks / sm_count(torch.device(DEVICE)),
-                          one_round=one_round)
-    plan, host = _host_and_device_plans(lens, split_pages=None, config=config)
-    _assert_same_work(plan, host, len(lens))
+@pytest.mark.parametrize("lens", EDGE_STEPS, ids=lambda lens: f"B{len(lens)}-max{max(lens)}")
+def test_auto_runs_the_policys_choice_at_bin_edges(lens):
+    _check_auto_choice(lens, _every_bin_policy())
 
 
-def test_replan_with_the_same_tables_reruns_only_the_planner():
-    """A plan() with the same page-table tensors and options as the last one relaunches the GPU
-    planner on their new contents; other tensors or options take the full, checked path."""
-    cache, static = _cache(2), StaticTable()
-    wrapper = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
+def test_auto_with_a_sparse_policy_takes_the_default_rule_in_unfitted_bins():
+    for lens, want in (([100], Choice("split", 3)), ([0, 20], Choice("split", 3)),
+                       ([3000] * 40, Choice("split", 70)), ([40000] + [100] * 3, Choice("grouped")),
+                       ([9000] * 3 + [100], Choice("split")), ([40000, 30000], Choice("split"))):
+        assert _check_auto_choice(lens, SPARSE_POLICY) == want, lens
+
+
+LENGTHS = (st.sampled_from([0, 1, 2047, 2048, 2049, 8191, 8192, 8193, 32767, 32768, 32769])
+           | st.integers(0, 40000))
+
+
+@settings(max_examples=20, deadline=None)
+@given(lens=st.lists(LENGTHS, min_size=1, max_size=10))
+def test_auto_runs_the_policys_choice_on_random_steps(lens):
+    """The device's bin (rows, longest, spread of the active rows, against the policy's edges)
+    is policy.bin_of's, on random steps: Policy.decide on the host = the plan's choice."""
+    _check_auto_choice(lens, _every_bin_policy())
+
+
+@pytest.mark.parametrize("form", ["csr", "block"])
+@pytest.mark.parametrize("fitted", [False, True], ids=["default-policy", "given-policy"])
+def test_graph_mode_auto_matches_reference(form, fitted):
+    """DecodeWrapper(use_cuda_graph=True, ...).plan(backend="auto") + run() on steps whose bins
+    the given policy sends to split@1, whole rows and split@3 (or the default policy's choice)."""
+    policy = Policy(gpu="test", table={"r0-l0-s0": Choice("split", 1), "r1-l0-s1": Choice("grouped"),
+                                       "r1-l0-s0": Choice("split", 3)}) if fitted else None
+    cache, static = _cache(4), StaticTable()
+    wrapper = _graph_wrapper(form, policy=policy)
     q = torch.randn(MAX_B, 8, 64, dtype=torch.float16, device=DEVICE)
-    other = StaticTable()
-    for step, (lens, table_set, split) in enumerate([([40, 9], static, None), ([300, 1], static, None),
-                                                     ([64], other, None), ([200, 30, 5], other, 3)]):
+    for step, lens in enumerate([[40], [300, 7, 64], [200, 180, 190, 150]]):
         table = _hold_only(cache, lens)
-        table_set.fill(table)
-        plan = wrapper.plan(**table_set.kwargs("csr"), **HEADS, split_pages=split)
-        assert plan.indices is table_set.indices
+        static.fill(table)
+        plan = wrapper.plan(**static.kwargs(form), **HEADS, backend="auto")
+        want = wrapper.policy.decide(StepFeatures.of(lens, num_kv_heads=2, head_dim=64, elem_size=2))
+        assert plan.info()["choice"] == want
         out = torch.full_like(q, float("nan"))
         wrapper.run(q, cache.pools[0], out=out)
         _check_rows(q, out, cache, table, step)
+        assert torch.isnan(out[len(lens):].float()).all()
+
+
+def test_replan_with_the_same_tables_reruns_only_the_planner():
+    """A plan() with the same page-table tensors and options as the last one relaunches the
+    planner on their new contents; other tensors or options take the full, checked path."""
+    cache, static = _cache(2), StaticTable()
+    wrapper = _graph_wrapper()
+    q = torch.randn(MAX_B, 8, 64, dtype=torch.float16, device=DEVICE)
+    other = StaticTable()
+    steps = [([40, 9], static, "auto", None), ([300, 1], static, "auto", None),
+             ([64], other, "auto", None), ([200, 30, 5], other, "split", 3),
+             ([500, 16], other, "split", 3)]
+    plans = []
+    for step, (lens, table_set, backend, split) in enumerate(steps):
+        table = _hold_only(cache, lens)
+        table_set.fill(table)
+        plan = wrapper.plan(**table_set.kwargs("csr"), **HEADS, backend=backend, split_pages=split)
+        plans.append(plan)
+        assert plan.indices is table_set.indices
+        assert plan.info()["num_tasks"] == len(plan.task_records()) > 0
+        out = torch.full_like(q, float("nan"))
+        wrapper.run(q, cache.pools[0], out=out)
+        _check_rows(q, out, cache, table, step)
+    # the same tensors and options: the same plan, replanned on the new contents
+    assert plans[1] is plans[0] and plans[4] is plans[3]
+    assert plans[2] is not plans[1] and plans[3] is not plans[2]
+    assert plans[4].info()["num_tasks"] == 11 + 1
     with pytest.raises(ValueError, match="num_qo_heads=7 must be a multiple"):
         wrapper.plan(**other.kwargs("csr"), **{**HEADS, "num_qo_heads": 7}, split_pages=3)
 
@@ -163,15 +224,23 @@ def test_graph_mode_argument_checks():
     with pytest.raises(ValueError, match="leave them out"):
         DecodeWrapper("HND", max_batch_size=4)
     static = StaticTable()
-    w = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=MAX_B, max_num_pages=MAX_PAGES)
-    with pytest.raises(ValueError, match="work-queue"):
-        w.plan(**static.kwargs("csr"), **HEADS, backend="split")
+    w = _graph_wrapper()
     with pytest.raises(ValueError, match="max_batch_size=4 rows"):     # consistent, but 2 rows
         w.plan(kv_indptr=static.indptr[:3], kv_indices=static.indices,
                kv_last_page_len=static.last[:2], **HEADS)
     with pytest.raises(ValueError, match="kv_indptr must have batch_size \\+ 1 = 5 entries"):
         w.plan(kv_indptr=static.indptr[:3], kv_indices=static.indices, kv_last_page_len=static.last,
                **HEADS)
+    longer = torch.zeros(MAX_PAGES + 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="65 page entries, over max_num_pages=64"):
+        w.plan(kv_indptr=static.indptr, kv_indices=longer, kv_last_page_len=static.last, **HEADS)
+    wide = StaticTable(width=MAX_PAGES // MAX_B + 1)                  # 4 x 17 > 64 entries
+    with pytest.raises(ValueError, match="68 page entries, over max_num_pages=64"):
+        w.plan(**wide.kwargs("block"), **HEADS)
+    # the buffers are sized at the first plan(): a plan needing more partials is refused
+    w.plan(**static.kwargs("csr"), **HEADS)
+    with pytest.raises(ValueError, match="sized its buffers at the first plan"):
+        w.plan(**static.kwargs("csr"), **{**HEADS, "num_qo_heads": 16})
 
 
 @pytest.mark.gpu
@@ -180,20 +249,22 @@ def test_graph_mode_argument_checks():
 def test_one_captured_graph_replays_a_whole_trace(form):
     """Capture plan + run once; replay over a trace whose batch grows, shrinks and turns over,
     changing only the page-table tensors' contents; check every step against the reference."""
-    max_b, max_pages = 8, 16384
+    max_b, max_pages, width = 8, 16384, 4096      # rows of up to 64K tokens in the block form
     heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
     cache = PagedKVCache(num_layers=1, num_pages=max_pages, page_size=16, num_kv_heads=8,
                          head_dim=128, layout="HND", device="cuda", shuffle_seed=3, init="randn")
     static_shape = dict(indptr=torch.zeros(max_b + 1, dtype=torch.int32, device="cuda"),
                         indices=torch.zeros(max_pages, dtype=torch.int32, device="cuda"),
                         last=torch.zeros(max_b, dtype=torch.int32, device="cuda"),
-                        block=torch.zeros(max_b, max_pages, dtype=torch.int32, device="cuda"),
+                        block=torch.zeros(max_b, width, dtype=torch.int32, device="cuda"),
                         lens=torch.zeros(max_b, dtype=torch.int32, device="cuda"))
     s = static_shape
     kwargs = (dict(kv_indptr=s["indptr"], kv_indices=s["indices"], kv_last_page_len=s["last"])
               if form == "csr" else dict(block_table=s["block"], seq_lens=s["lens"]))
     trace = make_trace("uniform", batch_slots=6, num_requests=10, seed=5, out_min=3, out_max=8)
-    wrapper = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=max_b, max_num_pages=max_pages)
+    # max_num_pages bounds the page entries of the table: kv_indices, or block_table's rows x width
+    wrapper = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=max_b,
+                            max_num_pages=max_pages if form == "csr" else max_b * width)
     q = torch.randn(max_b, 32, 128, dtype=torch.float16, device="cuda")
     out = torch.zeros_like(q)
     graph = None
@@ -211,7 +282,7 @@ def test_one_captured_graph_replays_a_whole_trace(form):
             s["indptr"].zero_(); s["indptr"][: b + 1] = indptr; s["indptr"][b + 1:] = indptr[-1]
             s["indices"][: indices.numel()] = indices
             s["last"].zero_(); s["last"][:b] = last
-            block, lens = table.block_table("cuda", pad_to=max_pages)
+            block, lens = table.block_table("cuda", pad_to=width)
             s["block"].zero_(); s["block"][:b] = block
             s["lens"].zero_(); s["lens"][:b] = lens
             q.normal_()

@@ -9,26 +9,29 @@ from persistentkv.op import paged_decode
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
 
-def planned(backend="workqueue", layout="HND"):
+def planned(backend="split", layout="HND"):
     case = make_case(seq_lens=[70, 3, 40], **HEADS, layout=layout)
     wrapper = DecodeWrapper(layout)
-    wrapper.plan(**csr_kwargs(case.table), **HEADS, backend=backend, split_pages=2)
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, backend=backend,
+                 split_pages=2 if backend == "split" else None)
     return case, wrapper
 
 
-@pytest.mark.parametrize("backend", ["split", "workqueue"])
+@pytest.mark.parametrize("backend", ["split", "grouped"])
 def test_opcheck(backend):
+    """The op on the plan's public buffers (plan.workspace), called as traced_decode calls it."""
     case, w = planned(backend)
-    plan = w.plan_info
-    pool = case.kv_cache
-    args = (case.q, pool, pool, plan.indices, plan.meta, plan.tasks, None, w._part_o, w._part_lse,
-            w._counters, [pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(1)],
-            plan.schedule.split_tokens, plan.sm_scale, 2, 16, backend == "workqueue",
-            list(plan.schedule.grid), 64, 4, 2)
+    plan, pool = w.current_plan, case.kv_cache
+    ws, cfg = plan.workspace, plan.config
+    args = (case.q, pool, pool, plan.indices, ws.tasks, ws.info, ws.part_o, ws.part_lse,
+            ws.counters, [pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(1)],
+            plan.sm_scale, plan.num_kv_heads, plan.page_size, plan.programs, cfg.block_n,
+            cfg.num_warps, cfg.num_stages)
     torch.library.opcheck(paged_decode, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     ref, _ = reference_decode(case.q, pool, layout="HND", **csr_kwargs(case.table))
     assert relative_error(paged_decode(*args), ref) <= TOLERANCE[torch.float16]
+    assert int(ws.counters.abs().sum()) == 0 and int(ws.info[3]) == 0
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])

@@ -20,14 +20,25 @@ def _subtable(table: PageTable, rows) -> PageTable:
                      seq_lens=table.seq_lens[list(rows)], page_size=table.page_size)
 
 
-@pytest.mark.parametrize("backend", ["split", "workqueue", "grouped"])
-def test_deterministic_mode_is_batch_invariant(backend):
-    """A row's output is bitwise the same alone, in a small batch and in a larger one."""
+@pytest.mark.parametrize("split_pages", [None, 8], ids=["default-512", "split@8"])
+def test_deterministic_mode_is_batch_invariant(split_pages):
+    """A row's output is bitwise the same alone, in a small batch and in a larger one, and
+    matches the reference."""
     case = make_case(seq_lens=[1200, 5, 700, 64, 2100], **HEADS)
-    full = _run(case, case.table, case.q, backend, deterministic=True)
+    full = _run(case, case.table, case.q, "split", deterministic=True, split_pages=split_pages)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+    assert relative_error(full, ref) <= TOLERANCE[torch.float16]
     for rows in ([0], [2, 0], [4, 3, 0, 1]):
-        part = _run(case, _subtable(case.table, rows), case.q[rows], backend, deterministic=True)
+        part = _run(case, _subtable(case.table, rows), case.q[rows], "split", deterministic=True,
+                    split_pages=split_pages)
         assert torch.equal(part, full[rows]), rows
+
+
+def test_deterministic_grouped_is_refused():
+    case = make_case(seq_lens=[20], **HEADS)
+    with pytest.raises(ValueError, match="backend='grouped' keeps them whole"):
+        DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **HEADS, backend="grouped",
+                                  deterministic=True)
 
 
 def test_default_mode_split_size_depends_on_the_batch():
@@ -40,9 +51,9 @@ def test_default_mode_split_size_depends_on_the_batch():
     for rows in ([0], [0, 1, 2]):
         wrapper = DecodeWrapper("NHD")
         sub = csr_kwargs(_subtable(case.table, rows))
-        sizes.add(wrapper.plan(**sub, **heads, backend="split").schedule.split_tokens)
+        sizes.add(wrapper.plan(**sub, **heads, backend="split").info()["split_tokens"])
         det = wrapper.plan(**sub, **heads, backend="split", deterministic=True)
-        assert det.schedule.split_tokens == 512
+        assert det.info()["split_tokens"] == 512
     assert len(sizes) == 2
 
 
@@ -75,7 +86,7 @@ def test_kv_indptr_must_not_decrease():
     kw = csr_kwargs(case.table)
     kw["kv_indptr"] = torch.tensor([0, 5, 4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"non-decreasing.*kv_indptr\[1\]=5 > kv_indptr\[2\]=4"):
-        DecodeWrapper("NHD").plan(**kw, **HEADS)
+        DecodeWrapper("NHD").plan(**kw, **HEADS, check_page_table=True)
 
 
 def test_q_not_contiguous_along_head_dim():
@@ -99,7 +110,7 @@ def test_two_wrappers_on_two_streams():
     cases = [make_case(seq_lens=[3000, 17, 900], **HEADS, seed=s) for s in (1, 2)]
     wrappers = [DecodeWrapper("NHD") for _ in cases]
     for w, c in zip(wrappers, cases):
-        w.plan(**csr_kwargs(c.table), **HEADS, backend="workqueue", split_pages=4)
+        w.plan(**csr_kwargs(c.table), **HEADS, backend="split", split_pages=4)
     streams = [torch.cuda.Stream() for _ in cases]
     outs = []
     torch.cuda.synchronize()
@@ -118,7 +129,7 @@ def test_gpu_deterministic_batch_invariance():
     lens = [30000, 17, 5000, 1, 12000, 800, 64, 7000]
     case = make_case(seq_lens=lens, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
     heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
-    for backend in ("split", "workqueue"):
+    for backend in ("split", "auto"):
         w = DecodeWrapper("NHD")
         w.plan(**csr_kwargs(case.table), **heads, backend=backend, deterministic=True)
         full = w.run(case.q, case.kv_cache).clone()
@@ -134,3 +145,4 @@ def test_deterministic_auto_stays_batch_invariant():
     full = _run(case, case.table, case.q, "auto", deterministic=True)
     part = _run(case, _subtable(case.table, [2, 0]), case.q[[2, 0]], "auto", deterministic=True)
     assert torch.equal(part, full[[2, 0]])
+    assert torch.equal(full, _run(case, case.table, case.q, "split", deterministic=True))

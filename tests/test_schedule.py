@@ -1,119 +1,295 @@
-"""The host-side work assignment: split sizes, task lists, partial slots (pure numpy)."""
+"""The planner's output (kernels/plan.py, on the device in every mode), read through the public
+plan objects: plan.info() and plan.task_records().
+
+Split sizes are checked against the rule schedule.py documents, written again here as a small
+numpy oracle (`documented_split`) that shares no code with the kernel; the task list against what
+a schedule means: every token of every active row in exactly one task, whole-page split
+boundaries, the run order, and partial slots.
+"""
+import math
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persistentkv.schedule import (ONE_ROUND_SLACK, WHOLE_ROW_SLACK, build_schedule,
-                                  default_split_pages)
+from paged_case import DEVICE
+from persistentkv import DecodeWrapper, PageTable
+from persistentkv.runtime import sm_count
+from persistentkv.schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice)
 from persistentkv.tuning import KernelConfig
 
+SMS = sm_count(DEVICE)   # 4 on the interpreter (runtime.CPU_SM_COUNT), the GPU's SMs on a GPU
 CFG = KernelConfig()
 
 
-def schedule(lens, backend="workqueue", split_pages=None, sm_count=132, kv_heads=8, page=16):
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def documented_split(lens, *, page_size: int, num_kv_heads: int, config: KernelConfig,
+                     sms: int = SMS) -> int:
+    """schedule.py's default split rule, in tokens, for the active rows of `lens`."""
     lens = np.asarray(lens, dtype=np.int64)
-    starts = np.cumsum(-(-lens // page)) - -(-lens // page)
-    return build_schedule(lens, starts, backend=backend, page_size=page, num_kv_heads=kv_heads,
-                          sm_count=sm_count, split_pages=split_pages, config=CFG)
+    lens = lens[lens > 0]
+    target = max(1, int(config.waves * sms / num_kv_heads))     # tasks per KV head
+    split = max(config.min_split_tokens, cdiv(int(lens.sum()), target))
+    # rows x KV heads fill the SMs and no row is much longer than the balanced split: whole rows
+    if len(lens) * num_kv_heads >= sms and lens.max() <= WHOLE_ROW_SLACK * split:
+        split = int(lens.max())
+    split = max(1, cdiv(split, page_size)) * page_size
+    if config.one_round:
+        # the smallest whole-page split, up to ONE_ROUND_SLACK x the balanced one, whose tasks fit
+        # in the target; each growth step removes a split from some row, at most ONE_ROUND_STEPS
+        balanced = split
+        candidates = np.arange(balanced, math.floor(ONE_ROUND_SLACK * balanced) + 1, page_size)
+        counts = cdiv(lens[None, :], candidates[:, None]).sum(axis=1)
+        fit = np.flatnonzero(counts <= target)
+        if len(fit) and len(np.unique(counts[: fit[0] + 1])) - 1 <= ONE_ROUND_STEPS:
+            split = int(candidates[fit[0]])
+    # even splits: the fewest pages that keep every row's split count
+    even = int(cdiv(lens, cdiv(lens, split)).max())
+    return max(1, cdiv(even, page_size)) * page_size
+
+
+def table_for(lens, page_size: int, seed: int = 0) -> PageTable:
+    """Each row's pages drawn at random, without repeats, from a pool with a few spare pages."""
+    rng = np.random.default_rng(seed)
+    pages = [cdiv(int(n), page_size) for n in lens]
+    perm = rng.permutation(sum(pages) + 3)
+    starts = np.cumsum([0] + pages)
+    return PageTable(row_pages=tuple(perm[a:b].astype(np.int64) for a, b in zip(starts, starts[1:])),
+                     seq_lens=np.asarray(lens, dtype=np.int64), page_size=page_size)
+
+
+def plan_for(lens, *, form="csr", num_kv_heads=2, page_size=16, seed=0, **options):
+    """(plan, page start of each row) for a step of these lengths; plan() only, nothing runs."""
+    table = table_for(lens, page_size, seed)
+    if form == "csr":
+        indptr, indices, last = table.csr(DEVICE)
+        kwargs = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
+        starts = indptr[:-1].cpu().numpy()
+    else:
+        block, seq_lens = table.block_table(DEVICE, pad_to=max([len(p) for p in table.row_pages],
+                                                                 default=0) + 2)
+        kwargs = dict(block_table=block, seq_lens=seq_lens)
+        starts = np.arange(len(lens)) * block.stride(0)
+    plan = DecodeWrapper("NHD").plan(**kwargs, num_qo_heads=num_kv_heads, num_kv_heads=num_kv_heads,
+                                     head_dim=16, page_size=page_size, **options)
+    return plan, starts
+
+
+def check_tasks(plan, lens, starts, page_size):
+    """What every plan must hold: each active row's tokens in exactly one task each, cut at whole
+    pages into splits of split_tokens; the run order; partial slots."""
+    info, rec = plan.info(), plan.task_records()
+    lens = np.asarray(lens, dtype=np.int64)
+    split = info["split_tokens"]
+    assert info["tasks_over_capacity"] == 0
+    assert rec.shape == (info["num_tasks"], 7)
+    assert split >= page_size and split % page_size == 0
+    row, part, lo, hi, page_start, slot_start, num_splits = rec.T
+    # coverage: row r is tasks j = 0 .. cdiv(len, split) - 1 of [j * split, min((j+1) * split, len))
+    for r, n in enumerate(lens):
+        mine = np.flatnonzero(row == r)
+        want = cdiv(int(n), split)
+        assert len(mine) == want, (r, n, split)
+        if not want:
+            continue
+        by_split = mine[np.argsort(part[mine])]
+        assert part[by_split].tolist() == list(range(want))
+        assert lo[by_split].tolist() == [j * split for j in range(want)]
+        assert hi[by_split].tolist() == [min((j + 1) * split, int(n)) for j in range(want)]
+        assert (num_splits[mine] == want).all() and (page_start[mine] == starts[r]).all()
+    assert (lo % page_size == 0).all() and (hi > lo).all()
+    # order: every non-last split in row order, then the rows' last splits, longest first
+    is_last = part == num_splits - 1
+    k = int((~is_last).sum())
+    assert not is_last[:k].any() and is_last[k:].all()
+    assert sorted(zip(row[:k], part[:k])) == list(zip(row[:k], part[:k]))
+    tail = list(zip(-(hi[k:] - lo[k:]), row[k:]))
+    assert tail == sorted(tail)
+    # partial slots: none for a one-split row; distinct, inside the buffers, for the others
+    assert ((slot_start == -1) == (num_splits == 1)).all()
+    slots = (slot_start + part)[num_splits > 1]
+    assert len(set(slots.tolist())) == len(slots)
+    assert (slots >= 0).all() and (slots < plan.workspace.capacity).all()
+    return info, rec
 
 
 def test_whole_rows_when_rows_fill_the_sms():
-    lens = np.full(32, 8192)
-    assert default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=CFG) == 512
+    """SMS rows x 2 KV heads fill the SMs twice: one task per row, no partials. A row alone is
+    cut into about waves x SMs tasks."""
+    lens = [1000, 900, 1100, 800] * cdiv(SMS, 4)
+    plan, starts = plan_for(lens)
+    info, rec = check_tasks(plan, lens, starts, 16)
+    assert info["num_tasks"] == len(lens) and (rec[:, 5] == -1).all()
+    assert info["split_tokens"] == 1104 == documented_split(lens, page_size=16, num_kv_heads=2,
+                                                            config=CFG)
+    alone, starts = plan_for([1000])
+    info, _ = check_tasks(alone, [1000], starts, 16)
+    assert info["num_tasks"] > 1
 
 
 def test_a_long_row_in_a_large_batch_is_still_cut():
-    """B128 with one 32K row among 1K rows: whole rows would leave that row's task running alone."""
-    lens = np.array([32768] + [1024] * 127)
-    pages = default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132, config=CFG)
-    balanced = lens.sum() / int(CFG.waves * 132 / 8)
-    assert pages * 16 < 32768 and -(-32768 // (pages * 16)) <= -(-32768 // balanced)
-    assert pages * 16 >= 1024          # the short rows stay whole
+    """One 32K row among 1K rows: whole rows would leave that row's task running alone."""
+    lens = [32768] + [1024] * (2 * SMS - 1)
+    plan, starts = plan_for(lens)
+    info, rec = check_tasks(plan, lens, starts, 16)
+    split = info["split_tokens"]
+    assert split == documented_split(lens, page_size=16, num_kv_heads=2, config=CFG)
+    target = int(CFG.waves * SMS / 2)
+    balanced = cdiv(sum(lens), target)
+    assert split < 32768 and cdiv(32768, split) <= cdiv(32768, balanced)
+    assert split >= 1024 and (rec[rec[:, 0] > 0, 6] == 1).all()     # the short rows stay whole
 
 
 def test_small_batches_split_to_about_waves_per_sm():
-    pages = default_split_pages(np.array([32768]), page_size=16, num_kv_heads=8, sm_count=132,
-                                config=CFG)
-    tasks = -(-32768 // (pages * 16)) * 8
-    assert 0.75 * CFG.waves * 132 <= tasks <= CFG.waves * 132
-    # never more splits than the minimum split gives, and even ones: 300 tokens in 3 x 112
-    assert default_split_pages(np.array([300]), page_size=16, num_kv_heads=8, sm_count=132,
-                               config=CFG) == 7
+    plan, starts = plan_for([32768])
+    info, _ = check_tasks(plan, [32768], starts, 16)
+    items = info["num_tasks"] * 2                                       # x KV heads
+    assert 0.75 * CFG.waves * SMS <= items <= CFG.waves * SMS
+    # never a split under min_split_tokens, and even ones: 300 tokens in 3 x 112 (7 pages)
+    plan, starts = plan_for([300])
+    info, rec = check_tasks(plan, [300], starts, 16)
+    assert info["split_tokens"] == 112 and rec[:, 3].tolist() == [112, 224, 300]
 
 
 def test_even_splits_keep_the_task_count():
-    """B4 x 1K: the balanced share (4096 / 33 tasks, at least 128 tokens) gives 8 splits per row;
-    B4 x 128K with one_round: 8 splits of 16K per row, not 7 of 18K and a short one."""
-    assert default_split_pages(np.full(4, 1024), page_size=16, num_kv_heads=8, sm_count=132,
-                               config=KernelConfig(one_round=False)) == 8
-    assert default_split_pages(np.full(4, 131072), page_size=16, num_kv_heads=8, sm_count=132,
-                               config=KernelConfig(one_round=True)) == 1024
+    """33 tasks per KV head (as 8 KV heads on 132 SMs): B4 x 1K is 8 splits of 128 per row;
+    B4 x 128K with one_round is 8 splits of 16K per row (32 tasks), not 9 of 15.9K (36, a second
+    round); without one_round the 9 splits are even (14576 tokens), not 8 of 15888 and a short one."""
+    waves = 33 * 8 / SMS
+    for lens, one_round, split, tasks in (([1024] * 4, False, 128, 32),
+                                          ([131072] * 4, True, 16384, 32),
+                                          ([131072] * 4, False, 14576, 36)):
+        config = KernelConfig(waves=waves, one_round=one_round)
+        plan, starts = plan_for(lens, num_kv_heads=8, config=config)
+        info, _ = check_tasks(plan, lens, starts, 16)
+        assert (info["split_tokens"], info["num_tasks"]) == (split, tasks), (lens, one_round)
+        assert split == documented_split(lens, page_size=16, num_kv_heads=8, config=config)
 
 
-def test_workqueue_lists_only_nonempty_tasks_longest_first():
-    s = schedule([1000, 10, 300], split_pages=8)                    # 128-token splits
-    rows, splits = s.tasks
-    assert len(rows) == 8 + 1 + 3
-    tokens = np.minimum(np.array([1000, 10, 300])[rows] - splits * 128, 128)
-    assert (tokens > 0).all() and (np.diff(tokens) <= 0).all()
-    assert s.grid == (min(12 * 8, CFG.programs_per_sm * 132),)
-
-
-def test_partial_slots_only_for_split_rows():
-    s = schedule([1000, 10, 300], backend="split", split_pages=8)
-    seq_len, _, slot_start = s.meta
-    assert slot_start.tolist() == [0, -1, 8] and s.num_slots == 8 + 3
-    assert s.grid == (3, 8, 8) and seq_len.tolist() == [1000, 10, 300]
-
-
-def test_grouped_is_one_split_per_row():
-    s = schedule([1000, 10, 300], backend="grouped")
-    assert s.meta[2].tolist() == [-1, -1, -1] and s.num_slots == 0 and s.grid == (3, 8, 1)
-
-
-def test_too_many_splits_for_the_grid():
-    with pytest.raises(ValueError, match="65535"):
-        schedule([1 << 20], backend="split", split_pages=1, page=1)
-
-
-@settings(max_examples=300, deadline=None)
-@given(lens=st.lists(st.integers(1, 200_000), min_size=1, max_size=300),
-       kv_heads=st.sampled_from([1, 2, 8, 32]), page=st.sampled_from([1, 16, 64]),
-       sms=st.sampled_from([4, 132]))
-def test_split_rule_properties(lens, kv_heads, page, sms):
-    """The default split is whole pages, never cuts a row into more splits than the balanced share
-    of the step does (tokens / (waves x SMs / KV heads), at least min_split_tokens), and no task is
-    much longer than that share: no row runs on alone."""
-    lens = np.asarray(lens, dtype=np.int64)
-    pages = default_split_pages(lens, page_size=page, num_kv_heads=kv_heads, sm_count=sms, config=CFG)
-    split = pages * page
-    longest = int(lens.max())
-    balanced = max(CFG.min_split_tokens,
-                   -(-int(lens.sum()) // max(1, int(CFG.waves * sms / kv_heads))))
-    assert pages >= 1
-    balanced_pages = -(-balanced // page)
-    assert (-(-lens // split)).sum() <= (-(-lens // (balanced_pages * page))).sum()
-    assert min(split, longest) <= WHOLE_ROW_SLACK * balanced + page
-
-
-@pytest.mark.parametrize("lens", [[131072] * 4, [131072] * 8, [40000, 9000, 120000], [5000] * 12,
+@pytest.mark.parametrize("lens", [[131072] * 4, [40000, 9000, 120000], [5000] * 12,
                                   [100000] + [1000] * 29])
 def test_one_round_fits_the_target_when_the_split_grows_little(lens):
-    """The balanced split overflows waves x SMs by up to one task per row (each row's last split
-    rounds up); one_round grows the split to fit, by at most ONE_ROUND_SLACK: uniform long rows
-    fit, a long row among many short ones keeps the balanced split (fitting would cut it in 4)."""
-    lens = np.array(lens)
-    target = int(CFG.waves * 132 / 8)
-    pages = default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132,
-                                config=KernelConfig(one_round=True))
-    balanced = default_split_pages(lens, page_size=16, num_kv_heads=8, sm_count=132,
-                                   config=KernelConfig(one_round=False))
-    tasks = int((-(-lens // (pages * 16))).sum())
-    assert balanced <= pages <= ONE_ROUND_SLACK * balanced + 1
-    if len(lens) <= 12:
-        assert tasks <= target < int((-(-lens // (balanced * 16))).sum()) or pages == balanced
-    if lens.tolist() in ([131072] * 4, [131072] * 8):
-        assert tasks <= target and pages > balanced
+    """one_round grows the balanced split to fit the target, by at most ONE_ROUND_SLACK: uniform
+    long rows fit; a long row among many short ones keeps the balanced split."""
+    waves = 33 * 8 / SMS
+    splits = {}
+    for one_round in (False, True):
+        config = KernelConfig(waves=waves, one_round=one_round)
+        plan, starts = plan_for(lens, num_kv_heads=8, config=config)
+        info, _ = check_tasks(plan, lens, starts, 16)
+        assert info["split_tokens"] == documented_split(lens, page_size=16, num_kv_heads=8,
+                                                        config=config)
+        splits[one_round] = info["split_tokens"], info["num_tasks"]
+    (even, even_tasks), (grown, grown_tasks) = splits[False], splits[True]
+    if lens == [131072] * 4:
+        assert grown_tasks <= 33 < even_tasks
     if len(lens) == 30:
-        assert pages == balanced and tasks > target
+        assert (grown, grown_tasks) == (even, even_tasks) and grown_tasks > 33
+    assert grown_tasks <= even_tasks
+
+
+@pytest.mark.parametrize("backend, split_pages, code", [("grouped", None, -1), ("split", None, 0),
+                                                         ("split", 3, 3), ("auto", None, 0)])
+def test_choice_codes(backend, split_pages, code):
+    """The plan reports the choice it ran (auto on a GPU without a fitted policy, or on the
+    interpreter: the default split rule); a grouped plan is one task per row."""
+    assert Choice.from_code(code).code() == code
+    lens = [300, 0, 70]
+    plan, starts = plan_for(lens, backend=backend, split_pages=split_pages)
+    info, rec = check_tasks(plan, lens, starts, 16)
+    if backend != "auto" or not torch.cuda.is_available():
+        assert info["choice"] == Choice.from_code(code)
+    if code == -1:
+        assert info["split_tokens"] == 304 and info["num_tasks"] == 2
+    elif code == 3:
+        assert info["split_tokens"] == 48 and info["num_tasks"] == 7 + 2
+    elif backend == "split":
+        assert info["split_tokens"] == documented_split(lens, page_size=16, num_kv_heads=2,
+                                                        config=CFG)
+
+
+def test_choice_values():
+    assert [Choice("grouped").code(), Choice("split").code(), Choice("split", 8).code()] == [-1, 0, 8]
+    assert [str(Choice.from_code(c)) for c in (-1, 0, 8)] == ["grouped", "split", "split@8"]
+    for bad in (dict(schedule="workqueue"), dict(schedule="grouped", split_pages=2),
+                dict(split_pages=0), dict(split_pages=True), dict(split_pages=2.0)):
+        with pytest.raises(ValueError):
+            Choice(**bad)
+
+
+def test_deterministic_plans_fixed_splits():
+    plan, starts = plan_for([1200, 5, 700], deterministic=True)
+    info, _ = check_tasks(plan, [1200, 5, 700], starts, 16)
+    assert info["choice"] == Choice("split", 32) and info["split_tokens"] == 512
+
+
+def test_a_table_whose_tasks_overflow_the_buffer_plans_none():
+    """An unchecked, overlapping kv_indptr (every even row reads all 64 pages) has 512 one-page
+    tasks where the buffer, sized from 16 rows and 64 page entries, holds 256: the planner plans
+    no task (and says how many did not fit), so run() reads and writes nothing."""
+    indptr = torch.tensor([0, 64] * 8 + [0], dtype=torch.int32, device=DEVICE)
+    indices = torch.randperm(64, dtype=torch.int32, device=DEVICE)
+    last = torch.full((16,), 16, dtype=torch.int32, device=DEVICE)
+    kwargs = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, num_qo_heads=2,
+                  num_kv_heads=1, head_dim=16, page_size=16, backend="split", split_pages=1)
+    wrapper = DecodeWrapper("NHD")
+    plan = wrapper.plan(**kwargs)
+    assert plan.workspace.capacity < 512
+    assert plan.info()["num_tasks"] == 0 and plan.info()["tasks_over_capacity"] == 8 * 64
+    assert plan.task_records().shape == (0, 7)
+    q = torch.randn(16, 2, 16, dtype=torch.float16, device=DEVICE)
+    cache = torch.randn(64, 2, 16, 1, 16, dtype=torch.float16, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    wrapper.run(q, cache, out=out)
+    assert torch.isnan(out.float()).all()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        wrapper.plan(**kwargs, check_page_table=True)
+
+
+@st.composite
+def steps(draw):
+    page = draw(st.sampled_from([1, 4, 16]), label="page_size")
+    lens = draw(st.lists(st.integers(0, 400) | st.just(0), min_size=1, max_size=6), label="lens")
+    choice = draw(st.sampled_from(["grouped", "split", "split@n", "auto"]), label="choice")
+    split_pages = draw(st.integers(1, 8), label="split_pages") if choice == "split@n" else None
+    config = KernelConfig(min_split_tokens=draw(st.sampled_from([16, 128]), label="min_split"),
+                          waves=draw(st.sampled_from([0.5, 2.0, 8.0]), label="waves"),
+                          one_round=draw(st.booleans(), label="one_round"))
+    return dict(lens=lens, page_size=page, backend="split" if choice == "split@n" else choice,
+                split_pages=split_pages, config=config,
+                num_kv_heads=draw(st.sampled_from([1, 2, 8]), label="num_kv_heads"),
+                form=draw(st.sampled_from(["csr", "block"]), label="form"),
+                seed=draw(st.integers(0, 2**16), label="seed"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(s=steps())
+def test_tasks_cover_every_token_once_in_order(s):
+    """Random lengths (zeros among them), schedules, split sizes, configs and both table forms:
+    the plan's tasks satisfy check_tasks, and its split is the one asked for or the rule's."""
+    lens, page = s["lens"], s["page_size"]
+    plan, starts = plan_for(lens, form=s["form"], num_kv_heads=s["num_kv_heads"], page_size=page,
+                            seed=s["seed"], backend=s["backend"], split_pages=s["split_pages"],
+                            config=s["config"])
+    info, _ = check_tasks(plan, lens, starts, page)
+    if not any(lens):
+        assert info["num_tasks"] == 0
+    elif s["split_pages"] is not None:
+        assert info["split_tokens"] == s["split_pages"] * page
+        assert info["choice"] == Choice("split", s["split_pages"])
+    elif s["backend"] == "grouped":
+        assert info["split_tokens"] == cdiv(max(lens), page) * page
+        assert info["num_tasks"] == sum(n > 0 for n in lens)
+    elif s["backend"] == "split" or not torch.cuda.is_available():   # auto: no policy on the CPU
+        assert info["split_tokens"] == documented_split(lens, page_size=page,
+                                                        num_kv_heads=s["num_kv_heads"],
+                                                        config=s["config"])
+        # the even split is the fewest pages that keep every row's split count
+        active = np.asarray([n for n in lens if n], dtype=np.int64)
+        split = info["split_tokens"]
+        assert split == page or (cdiv(active, split - page) > cdiv(active, split)).any()

@@ -137,9 +137,12 @@ class Planner:
     def replan(self, tensors: tuple, options: PlanOptions) -> DecodePlan | None:
         """The last plan again when `tensors` are the last plan's page-table tensors (the same
         objects and shapes, all on the device, refilled in place) and `options` the same object:
-        only the planner's launch, about one bare launch of host time. None otherwise."""
+        only the planner's launch, about one bare launch of host time. None otherwise, and always
+        with check_page_table: refilled tables must have their values checked again (and run()
+        the page range of the new values)."""
         memo = self._memo
-        if memo is None or memo[2] is not options or len(memo[0]) != len(tensors):
+        if (memo is None or memo[2] is not options or options.check_page_table
+                or len(memo[0]) != len(tensors)):
             return None
         for t, known in zip(tensors, memo[0]):
             if t is not known:

@@ -11,6 +11,7 @@ decode kernel (launch.py). This module checks the options and delegates.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -34,7 +35,8 @@ class DecodeWrapper:
 
     plan() never waits for the device (unless check_page_table=True) and can be captured in a
     CUDA graph together with the runs. With use_cuda_graph=True its buffers are sized once, for
-    max_batch_size rows and max_num_pages page entries, so that one captured plan() + run()
+    max_batch_size rows and max_num_pages page entries (kv_indices' length, or block_table's rows
+    x width), so that one captured plan() + run()
     replays for every batch composition: fill the same page-table tensors in place before each
     replay; rows with no pages (CSR) or seq_lens 0 are inactive and their output rows are left
     untouched (in every mode). policy: for backend="auto"; default: the one shipped for the GPU.
@@ -100,13 +102,17 @@ class DecodeWrapper:
         check_interpreter_numpy()
         raw = (num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
                config, deterministic, check_page_table)
-        key = tuple((type(v), v) for v in raw)
-        options = self._options.get(key)
+        try:
+            key = tuple((type(v), v) for v in raw)
+            options = self._options.get(key)
+        except TypeError:   # an unhashable argument: checked (and refused) below
+            key, options = None, None
         if options is None:
             options = _plan_options(*raw)
             if len(self._options) > 64:
                 self._options.clear()
-            self._options[key] = options
+            if key is not None:
+                self._options[key] = options
         tensors = (kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens)
         plan = self._planner.replan(tensors, options)
         if plan is None:
@@ -169,10 +175,8 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     else:
-        try:
-            scale = float(sm_scale) if not isinstance(sm_scale, bool) else math.nan
-        except (TypeError, ValueError):
-            scale = math.nan
+        real = isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
+        scale = float(sm_scale) if real else math.nan
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
         sm_scale = scale
