@@ -57,6 +57,25 @@ def _policy_code(edges_ptr, codes_ptr, active_rows, max_len, total, n_len_bins, 
     return tl.load(codes_ptr + (r * n_len_bins + l_bin) * n_spread_bins + s)
 
 
+@triton.jit
+def _write_tasks(tasks_ptr, row, seq_len, num_splits, first_full, last_at, page_start, slot_start,
+                 split, fits, BLOCK_SPLITS: tl.constexpr):
+    """Row `row`'s task records: splits 0 .. num_splits - 2 at first_full + j, the last at last_at."""
+    fields = tl.arange(0, 8)[None, :]
+    for s in tl.range(0, num_splits, BLOCK_SPLITS):
+        j = s + tl.arange(0, BLOCK_SPLITS)[:, None]                                # [S, 1]
+        at = tl.where(j < num_splits - 1, first_full + j, last_at)
+        tok_lo = j * split
+        record = tl.where(fields == 0, row, j)
+        record = tl.where(fields == 2, tok_lo, record)
+        record = tl.where(fields == 3, tl.minimum(tok_lo + split, seq_len), record)
+        record = tl.where(fields == 4, page_start, record)
+        record = tl.where(fields == 5, slot_start, record)
+        record = tl.where(fields == 6, num_splits, record)
+        record = tl.where(fields == 7, 0, record)
+        tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record, mask=(j < num_splits) & fits)
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
                                "task_capacity", "choice", "target_tasks", "min_split_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins"])
@@ -124,21 +143,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     longer = active & ((last_len > my_last) | ((last_len == my_last) & (offs < row)))
     last_at = tl.sum(full, axis=0) + tl.sum(longer.to(tl.int32), axis=0)
 
-    fields = tl.arange(0, 8)[None, :]
-    for s in tl.range(0, my_splits, BLOCK_SPLITS):
-        j = s + tl.arange(0, BLOCK_SPLITS)[:, None]                                # [S, 1]
-        at = tl.where(j < my_splits - 1, my_first + j, last_at)
-        tok_lo = j * split
-        tok_hi = tl.minimum(tok_lo + split, my_len)
-        record = tl.where(fields == 0, row, j)
-        record = tl.where(fields == 2, tok_lo, record)
-        record = tl.where(fields == 3, tok_hi, record)
-        record = tl.where(fields == 4, my_start, record)
-        record = tl.where(fields == 5, my_slot, record)
-        record = tl.where(fields == 6, my_splits, record)
-        record = tl.where(fields == 7, 0, record)
-        tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record,
-                 mask=(j < my_splits) & fits)
+    _write_tasks(tasks_ptr, row, my_len, my_splits, my_first, last_at, my_start, my_slot, split,
+                 fits, BLOCK_SPLITS)
     if row == 0:
         tl.store(info_ptr, tl.where(fits, num_tasks, 0))
         tl.store(info_ptr + 1, split)
