@@ -12,16 +12,12 @@ import torch
 from .checks import check_tensor
 
 
-def host_values(*tensors: torch.Tensor,
-                bounds_of: torch.Tensor | None) -> tuple[list[np.ndarray], int, int]:
-    """The int32 `tensors` as int64 numpy arrays, and (min, max) of `bounds_of` ((0, -1) if it is
-    empty or None), with at most one device-to-host copy (each copy is a synchronization) and none
-    when the tensors are on the host and bounds_of is None."""
-    bounded = bounds_of is not None and bounds_of.numel() > 0
+def host_values(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The int32 `tensors` as int64 numpy arrays, with at most one device-to-host copy (each copy
+    is a synchronization) and none when they are on the host."""
     on_device = [t for t in tensors if t.device.type != "cpu"]
-    parts = on_device + ([torch.stack(torch.aminmax(bounds_of))] if bounded else [])
-    host = torch.cat([t.detach().reshape(-1) for t in parts]).cpu().numpy().astype(np.int64) \
-        if parts else np.zeros(0, dtype=np.int64)
+    host = (torch.cat([t.detach().reshape(-1) for t in on_device]).cpu().numpy().astype(np.int64)
+            if on_device else np.zeros(0, dtype=np.int64))
     out, at = [], 0
     for t in tensors:
         if t.device.type == "cpu":
@@ -29,8 +25,7 @@ def host_values(*tensors: torch.Tensor,
         else:
             out.append(host[at: at + t.numel()])
             at += t.numel()
-    lo, hi = (int(host[at]), int(host[at + 1])) if bounded else (0, -1)
-    return out, lo, hi
+    return out
 
 
 def check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None:
@@ -145,7 +140,7 @@ def _used_max(used: torch.Tensor) -> int:
 
 def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> int:
     """The CSR table's values checked; returns the largest used page index."""
-    (indptr, last), _, _ = host_values(kv_indptr, kv_last_page_len, bounds_of=None)
+    indptr, last = host_values(kv_indptr, kv_last_page_len)
     if indptr[0] != 0:
         raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
     pages = np.diff(indptr)
@@ -166,7 +161,7 @@ def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> int
 def _checked_block(block_table, seq_lens, page_size: int) -> int:
     """The block table's values checked; returns the largest used page index (entries past a
     row's pages are padding, not read)."""
-    (lens,), _, _ = host_values(seq_lens, bounds_of=None)
+    (lens,) = host_values(seq_lens)
     if (lens < 0).any():
         r = int(np.flatnonzero(lens < 0)[0])
         raise ValueError(f"seq_lens[{r}]={lens[r]} is negative")

@@ -15,7 +15,7 @@ class KernelConfig:
     block_n: tokens per K/V tile; num_warps, num_stages: Triton's launch options (num_stages is the
     software-pipelining depth of the token loop); waves: target (row, KV head, split) tasks per SM
     when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
-    programs_per_sm: persistent programs per SM for the work-queue; one_round: the balanced split
+    programs_per_sm: persistent programs per SM of the decode kernel; one_round: the balanced split
     grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
     target, instead of each row's last, partial split overflowing it by up to one task per row
     (schedule.default_split_pages). Together (2 programs per SM, waves 2): one task per program on
