@@ -13,6 +13,16 @@ from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative
 from persistentkv.bench.measure import graph_replay_us
 from persistentkv.tuning import KernelConfig
 
+
+CELLS = {"B1 L1K": [1024], "B1 L8K": [8192], "B1 L32K": [32768], "B1 L128K": [131072],
+         "B4 L1K": [1024] * 4, "B8 L1K": [1024] * 8, "B8 L32K": [32768] * 8,
+         "B32 L8K": [8192] * 32, "B128 L8K": [8192] * 128,
+         "B4 zipf": [430, 647, 1891, 1622], "B8 zipf": [259, 2040, 917, 24851, 2345, 270, 264, 372],
+         "B8 uniform": [19590, 16921, 28850, 3860, 9982, 23141, 9362, 30932],
+         "B8 bimodal": [767, 17289, 459, 24197, 591, 21440, 912, 20609],
+         "B16 mix": [int(x) for x in np.random.default_rng(16).integers(400, 30000, 16)],
+         "B32 mix": [int(x) for x in np.random.default_rng(32).integers(400, 32000, 32)],
+         "B64 skew": [int(x) for x in np.minimum(131072, 32 * np.random.default_rng(64).zipf(1.3, 64))]}
 # PKV_AB=1: split only; PKV_PPS=n: split with n programs per SM; PKV_NOPLAN=1: the graph holds
 # the runs alone; PKV_TAG: a suffix for the row labels
 BACKENDS = ([dict(backend="split")] if os.environ.get("PKV_AB") else
