@@ -6,11 +6,15 @@ against FlashInfer's best (and the bar it needs: 1.3x where FlashInfer is under 
 ceiling), pkv-auto's eager tokens/s against FlashInfer's best eager, and whether both bars hold.
 Evaluation: per trace pkv-auto (the policy on the device) against FlashInfer's best and the best
 fixed backend.
+Shapes: per grid cell and model preset, pkv-auto against FlashInfer's best (--shapes, the grids
+that `persistentkv bench --grid --preset NAME` wrote), with the geometric mean.
 Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/evaluate.json
          [--previous results/h200/v3/grid.json]
+     python scripts/benchmark_tables.py --shapes results/h200/shapes/*.json
 """
 import argparse
 import json
+import math
 
 OURS = ("pkv-grouped", "pkv-split", "pkv-auto")
 
@@ -78,13 +82,41 @@ def evaluation_table(path) -> str:
     return "\n".join(out)
 
 
+def shapes_table(paths) -> str:
+    """Case x preset: pkv-auto / FI best in graph replay (us per layer beside it)."""
+    grids = [(path.rsplit("/", 1)[-1].removesuffix(".json"), *_rows(path)[1:]) for path in paths]
+    cases = list(dict.fromkeys(c for _, _, cs in grids for c in cs))
+    out = ["| case | " + " | ".join(f"{name} (auto / FI us)" for name, _, _ in grids) + " |",
+           "|---|" + "---|" * len(grids)]
+    logs, below = [], 0
+    for case in cases:
+        cells = []
+        for _, by, _ in grids:
+            ours, fi = by.get((case, "pkv-auto")), by.get((case, "fi-best"))
+            if not ours or not fi or not ours.get("graph_us_per_layer") or not fi.get("graph_us_per_layer"):
+                cells.append("-")
+                continue
+            ratio = fi["graph_us_per_layer"] / ours["graph_us_per_layer"]
+            logs.append(math.log(ratio))
+            below += ratio < 0.995
+            cells.append(f"{ratio:.2f}x ({ours['graph_us_per_layer']:.1f} / {fi['graph_us_per_layer']:.1f})")
+        out.append(f"| {case} | " + " | ".join(cells) + " |")
+    out.append(f"\nGeometric mean {math.exp(sum(logs) / len(logs)):.3f}x over {len(logs)} (case, "
+               f"preset) pairs; {below} under 0.995x.")
+    return "\n".join(out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("grid")
+    parser.add_argument("grid", nargs="?")
+    parser.add_argument("--shapes", nargs="+", help="per-preset grid JSON files")
     parser.add_argument("evaluate", nargs="?")
     parser.add_argument("--previous", help="an earlier grid.json, for the 'previous best' column")
     args = parser.parse_args()
-    print(grid_table(args.grid, args.previous))
+    if args.shapes:
+        print(shapes_table(args.shapes))
+    if args.grid:
+        print(grid_table(args.grid, args.previous))
     if args.evaluate:
         print()
         print(evaluation_table(args.evaluate))

@@ -18,7 +18,7 @@ status=0
 for step in $steps; do
   echo "== $step"
   case $step in
-    tests)     timeout 200 python3 -m pytest -q tests -p no:cacheprovider > "$out/pytest-h200.txt" 2>&1
+    tests)     timeout 300 python3 -m pytest -q tests -p no:cacheprovider > "$out/pytest-h200.txt" 2>&1
                sed -i 's#[^ ]*/site-packages/#<site-packages>/#g' "$out/pytest-h200.txt"
                tail -1 "$out/pytest-h200.txt" ;;
     sanitize)  mkdir -p "$out/sanitizer"

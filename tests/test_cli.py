@@ -20,6 +20,10 @@ from persistentkv.cli import main
     (["calibrate", "--candidates", "pkv-split,pkv-auto,fi-xqa"],
      "candidates must be pkv-grouped, pkv-split or pkv-split@N, got ['pkv-auto', 'fi-xqa']"),
     (["evaluate", "--backends", "pkv-split@x"], "unknown backend(s) ['pkv-split@x']"),
+    (["bench", "--grid", "--cells", "B1 L1K,B3 L7K"], "unknown grid cell(s) ['B3 L7K']"),
+    (["bench", "--cells", "B1 L1K"], "add --grid"),
+    (["bench", "--preset", "llama3-70b-tp8", "--num-kv-heads", "2"],
+     "--preset llama3-70b-tp8 sets the heads and head dim; drop ['--num-kv-heads']"),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2
@@ -66,3 +70,14 @@ def test_parser_does_not_import_triton():
     code = ("import sys, persistentkv.cli as c; c.build_parser(); "
             "sys.exit(1 if 'triton' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_presets_give_the_model_shapes():
+    from persistentkv.bench.runner import MODEL_PRESETS, ModelShape
+
+    shape = ModelShape.of("llama3-70b-tp8", page_size=64)
+    assert (shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size) == (8, 1, 128, 64)
+    assert ModelShape.of(None, num_kv_heads=4) == ModelShape(num_kv_heads=4)
+    assert MODEL_PRESETS["qwen2.5-7b"] == (28, 4, 128) and MODEL_PRESETS["gemma2-9b"] == (16, 8, 256)
+    with pytest.raises(ValueError, match="preset must be one of"):
+        ModelShape.of("llama5")

@@ -162,3 +162,18 @@ def test_plan_auto_runs_the_policy_choice(form, choice):
 def test_policy_argument_must_be_a_policy():
     with pytest.raises(TypeError, match="policy must be a persistentkv.policy.Policy"):
         DecodeWrapper("NHD", policy={"r0-l0-s0": "grouped"})
+
+
+def test_a_policy_fitted_on_another_shape_leaves_the_default_rule():
+    """A table fitted at one shape (here: split@1 everywhere) is not applied to another: a split
+    size fitted at 8 KV heads does not hold at 1. JSON keeps the shape."""
+    lens = [300, 20, 90]
+    case = make_case(seq_lens=lens, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    key = StepFeatures.of(lens, num_kv_heads=2, head_dim=64, elem_size=2).bin()
+    for shape, want in (((8, 2, 64), Choice("split", 1)), ((32, 8, 128), SPLIT), (None, Choice("split", 1))):
+        policy = Policy.from_json(Policy(gpu="cpu", table={key: Choice("split", 1)}, shape=shape).to_json())
+        assert policy.shape == shape
+        plan = DecodeWrapper("NHD", policy=policy).plan(
+            **csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+            backend="auto")
+        assert plan.info()["choice"] == want, shape

@@ -28,20 +28,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(device=device, seed=args.seed)
 
 
+def model_shape(args: argparse.Namespace):
+    """The ModelShape of the shape options (add_shape_arguments)."""
+    import torch
+
+    from .bench.runner import ModelShape
+
+    if args.preset is not None:
+        given = [f"--{k.replace('_', '-')}" for k in ("num_qo_heads", "num_kv_heads", "head_dim")
+                 if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"--preset {args.preset} sets the heads and head dim; drop {given}")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    return ModelShape.of(args.preset, num_qo_heads=args.num_qo_heads,
+                         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                         page_size=args.page_size, dtype=dtype, layout=args.layout)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench.runner import MODEL_PRESETS   # (no triton)
+
+    parser.add_argument("--preset", choices=list(MODEL_PRESETS),
+                        help="a model's Hq/Hkv/head_dim: " + ", ".join(
+                            f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()))
+    parser.add_argument("--num-qo-heads", type=int, help="default 32")
+    parser.add_argument("--num-kv-heads", type=int, help="default 8")
+    parser.add_argument("--head-dim", type=int, help="default 128")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    parser.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     device = choose_device()
     import torch
 
-    from .bench.runner import ModelShape, RunOptions
+    from .bench.runner import RunOptions
     from .bench.suite import run_bench
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    shape = ModelShape(num_qo_heads=args.num_qo_heads, num_kv_heads=args.num_kv_heads,
-                       head_dim=args.head_dim, page_size=args.page_size, dtype=dtype, layout=args.layout)
+    shape = model_shape(args)
     opts = RunOptions(layers=args.layers, samples=args.samples, seed=args.seed,
                       memory_budget_gb=args.memory_gb)
     return run_bench(device=torch.device(device), grid=args.grid,
-                     traces=args.traces.split(",") if args.traces else None,
+                     cells=args.cells.split(",") if args.cells else None, traces=args.traces.split(",") if args.traces else None,
                      trace_file=args.trace_file, batch_slots=args.batch_slots,
                      backends=args.backends.split(","), shape=shape, opts=opts,
                      out_dir=Path(args.out), tag=args.tag)
@@ -55,12 +84,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench.runner import ModelShape
     from .bench.sweep import SWEEP_CELLS, run_sweep
 
     cells = args.cells.split(",") if args.cells else list(SWEEP_CELLS)
     run_sweep(device=torch.device("cuda"), cells=cells, spec=json.loads(args.spec),
-              shape=ModelShape(layout=args.layout), out_path=Path(args.out))
+              shape=model_shape(args), out_path=Path(args.out))
     return 0
 
 
@@ -76,10 +104,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from .bench.adaptive import run_calibrate
-    from .bench.runner import ModelShape, RunOptions
+    from .bench.runner import RunOptions
 
     run_calibrate(device=torch.device(device), seeds=_ints(args.seeds),
-                  candidates=args.candidates.split(","), shape=ModelShape(layout=args.layout),
+                  candidates=args.candidates.split(","), shape=model_shape(args),
                   opts=RunOptions(layers=args.layers, samples=args.samples),
                   objective=args.objective, out_path=Path(args.out),
                   from_results=[Path(p) for p in args.from_results] or None)
@@ -91,13 +119,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     import torch
 
     from .bench.adaptive import run_evaluate
-    from .bench.runner import ModelShape, RunOptions
+    from .bench.runner import RunOptions
     from .policy import load_policy
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     policy = load_policy(name, args.policy)
     run_evaluate(device=torch.device(device), policy=policy, seeds=_ints(args.seeds),
-                 backends=args.backends.split(","), shape=ModelShape(layout=args.layout),
+                 backends=args.backends.split(","), shape=model_shape(args),
                  opts=RunOptions(layers=args.layers, samples=args.samples,
                                  eager_reps=args.eager_reps), out_dir=Path(args.out),
                  tag=args.tag)
@@ -138,12 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--layers", type=int, default=32, help="layers, each with its own pool")
     bench.add_argument("--samples", type=int, default=16, help="measured steps per trace")
     bench.add_argument("--memory-gb", type=float, default=60.0, help="budget for all layers' pools")
-    bench.add_argument("--num-qo-heads", type=int, default=32)
-    bench.add_argument("--num-kv-heads", type=int, default=8)
-    bench.add_argument("--head-dim", type=int, default=128)
-    bench.add_argument("--page-size", type=int, default=16)
-    bench.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    bench.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    bench.add_argument("--cells", help="comma-separated subset of the grid's cells, e.g. "
+                                       "'B1 L32K,B8 zipf'")
+    add_shape_arguments(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="results", help="folder for the JSON and CSV files")
     bench.add_argument("--tag", help="file name stem of the results (default: traces or grid)")
@@ -155,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          '"num_stages": [2, 3, 4], "waves": [1, 2], '
                                          '"min_split_tokens": [64, 128]}',
                        help="JSON: lists of values per KernelConfig field, and 'backend'")
-    sweep.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    add_shape_arguments(sweep)
     sweep.add_argument("--out", default="results/sweep.json")
     sweep.set_defaults(func=cmd_sweep)
 
@@ -171,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="refit from `persistentkv bench` JSON files instead of measuring")
     calibrate.add_argument("--layers", type=int, default=32)
     calibrate.add_argument("--samples", type=int, default=6)
-    calibrate.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    add_shape_arguments(calibrate)
     calibrate.add_argument("--out", default="results/policy.json")
     calibrate.set_defaults(func=cmd_calibrate)
 
@@ -186,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--samples", type=int, default=8)
     evaluate.add_argument("--eager-reps", type=int, default=3,
                           help="timed eager repetitions of each step (median)")
-    evaluate.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    add_shape_arguments(evaluate)
     evaluate.add_argument("--out", default="results")
     evaluate.add_argument("--tag", default="evaluate")
     evaluate.set_defaults(func=cmd_evaluate)

@@ -18,9 +18,9 @@ import torch
 from .kernels.plan import INFO_FIELDS, POLICY_EDGES, TASK_FIELDS, plan_kernel
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
-from .policy import EDGES, Policy, load_policy
+from .policy import EDGES, Policy, fallback_choice, load_policy
 from .runtime import next_power_of_2, sm_count
-from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
+from .schedule import (MIN_ROUNDS, ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
                        balanced_task_count, task_bound, whole_row_min_rows)
 from .tuning import KernelConfig
 
@@ -47,7 +47,7 @@ class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
     [8] (task count, split tokens, choice code, claim counter, tasks that did not fit), partial
     outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
-    [rows * Hkv] (zero between launches). `generation` counts the reallocations."""
+    [capacity * Hkv], by partial slot (zero between launches). `generation` counts the reallocations."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -62,13 +62,15 @@ class Workspace:
     def capacity(self) -> int:
         return self.tasks.shape[0]
 
-    def fits(self, *, tasks: int, partial_heads: int, head_dim: int, counters: int) -> bool:
-        slots = self.tasks.shape[0] * partial_heads   # the kernel may use every task's slot
-        return (self.tasks.shape[0] >= tasks and self.part_lse.numel() >= slots
-                and self.part_o.numel() >= slots * head_dim and self.counters.numel() >= counters)
+    def fits(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int) -> bool:
+        capacity = self.tasks.shape[0]
+        slots = capacity * partial_heads   # the kernel may use every task's slot
+        return (capacity >= tasks and self.part_lse.numel() >= slots
+                and self.part_o.numel() >= slots * head_dim
+                and self.counters.numel() >= capacity * kv_heads)
 
-    def reserve(self, *, tasks: int, partial_heads: int, head_dim: int, counters: int) -> None:
-        """Room for `tasks` task records (and their partials) and `counters` merge counters."""
+    def reserve(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int) -> None:
+        """Room for `tasks` task records, their partials and merge counters."""
         grown = False
         if self.tasks.shape[0] < tasks:
             tasks = -(-tasks // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
@@ -79,8 +81,8 @@ class Workspace:
             self.part_lse = torch.empty(slots, dtype=torch.float32, device=self.device)
             self.part_o = torch.empty(slots * head_dim, dtype=torch.float32, device=self.device)
             grown = True
-        if self.counters.numel() < counters:
-            self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
+        if self.counters.numel() < self.tasks.shape[0] * kv_heads:
+            self.counters = torch.zeros(self.tasks.shape[0] * kv_heads, dtype=torch.int32, device=self.device)
             grown = True
         self.generation += grown
 
@@ -170,7 +172,7 @@ class Planner:
         need = dict(tasks=max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
                                          max_row_pages=table.max_row_pages) for c in codes),
                     partial_heads=options.num_qo_heads, head_dim=options.head_dim,
-                    counters=rows * options.num_kv_heads)
+                    kv_heads=options.num_kv_heads)
         if ws is None or ws.device != device:
             ws = self.workspace = Workspace(device)
         if not ws.fits(**need):
@@ -210,21 +212,27 @@ class Planner:
         task target, and the planner's fixed arguments after the workspace buffers."""
         cfg, sms = options.config, sm_count(device)
         target = balanced_task_count(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
-        dense = None if options.choice is not None else self._policy(device).dense_codes()
-        codes = sorted({options.choice.code()} if dense is None else set(dense))
+        choice = options.choice
+        if choice is None and not self._policy(device).applies_to(
+                num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
+                head_dim=options.head_dim):
+            choice = fallback_choice()
+        dense = None if choice is not None else self._policy(device).dense_codes()
+        codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
-        fixed_tail = (options.choice.code() if dense is None else 0, target, cfg.min_split_tokens,
+        fixed_tail = (choice.code() if dense is None else 0, target, cfg.min_split_tokens,
                       whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
                       WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
-        return codes, target, (edges, table, fixed_tail)
+        return codes, target, (edges, table, fixed_tail, dense is not None)
 
     def _bind(self, options: PlanOptions, table: PageTableArgs, ws: Workspace, fixed_tail: tuple,
               block_rows: int, align: tuple) -> BoundLaunch:
         """The planner's launch with everything but the page table and its sizes bound."""
-        edges, dense, tail = fixed_tail
+        edges, dense, tail, use_policy = fixed_tail
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
-                          CSR=table.csr, POLICY=options.choice is None,
+                          CSR=table.csr, POLICY=use_policy,
                           ONE_ROUND_STEPS=ONE_ROUND_STEPS if options.config.one_round else 0,
+                          MIN_ROUNDS=MIN_ROUNDS,
                           EDGES=POLICY_EDGES)
         key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,

@@ -77,11 +77,17 @@ def fallback_choice() -> Choice:
 
 @dataclass
 class Policy:
-    """table: bin -> the fastest Choice on the calibration steps of that bin."""
+    """table: bin -> the fastest Choice on the calibration steps of that bin. shape: the
+    (num_qo_heads, num_kv_heads, head_dim) it was fitted on, None for any; a plan of another
+    shape takes the default rule (a split size fitted at 8 KV heads does not hold at 1)."""
 
     gpu: str
     table: dict[str, Choice] = field(default_factory=dict)
     fit: dict = field(default_factory=dict)     # how it was fitted: traces, seeds, objective, counts
+    shape: tuple[int, int, int] | None = None
+
+    def applies_to(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        return self.shape is None or tuple(self.shape) == (num_qo_heads, num_kv_heads, head_dim)
 
     def decide(self, features: StepFeatures) -> Choice:
         """The choice for a step: its bin's, else the fallback (the default split rule)."""
@@ -95,15 +101,18 @@ class Policy:
 
     # -- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({"gpu": self.gpu, "table": {k: str(v) for k, v in sorted(self.table.items())},
+        return json.dumps({"gpu": self.gpu, "shape": None if self.shape is None else list(self.shape),
+                           "table": {k: str(v) for k, v in sorted(self.table.items())},
                            "fit": self.fit}, indent=1) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "Policy":
         data = json.loads(text)
         try:
+            shape = data.get("shape")
             return cls(gpu=data["gpu"], table={k: parse_choice(v) for k, v in data["table"].items()},
-                       fit=data.get("fit", {}))
+                       fit=data.get("fit", {}),
+                       shape=None if shape is None else tuple(int(x) for x in shape))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a policy file: {exc}") from None
 
@@ -136,7 +145,8 @@ def load_policy(gpu_name: str, path: str | Path | None = None) -> Policy:
 
 
 def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
-               tie_tolerance: float = 0.02, info: dict | None = None) -> Policy:
+               tie_tolerance: float = 0.02, info: dict | None = None,
+               shape: tuple[int, int, int] | None = None) -> Policy:
     """Decision table from measured steps.
 
     steps: one dict per (step, candidate) with 'bin' (StepFeatures.bin of the step), 'step_key'
@@ -170,6 +180,6 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
         table[bin_key] = winner
         counts[bin_key] = {"steps": n, "best": str(winner),
                            "median_us": statistics.median(x[objective] for x in per_choice[winner])}
-    return Policy(gpu=gpu, table=table,
+    return Policy(gpu=gpu, table=table, shape=shape,
                   fit={**(info or {}), "objective": objective, "tie_tolerance": tie_tolerance,
                        "bins": counts})

@@ -14,7 +14,10 @@ WHOLE_ROW_SLACK x that balanced split, whole rows (splitting would only add part
 merges); a long row in a large batch is still cut. With config.one_round the split grows (by at
 most ONE_ROUND_SLACK, in at most ONE_ROUND_STEPS steps) until the tasks fit in the target: each
 row's last, partial split would otherwise overflow it (B4 x 128K: 8 splits of 16K per row, 32
-tasks per KV head, rather than 9 of 15.9K, 36 tasks, and a second round for 3 of them). Last, the
+tasks per KV head, rather than 9 of 15.9K, 36 tasks, and a second round for 3 of them). A step
+that still needs more than one round, its last one under 90% full, takes at least MIN_ROUNDS
+rounds: 1.45 rounds of 18K-token tasks (B32 of 0.8K-31K rows) leave half the programs idle while
+the last ones run; 4.5 rounds of 4K-token tasks do not. Last, the
 split shrinks to the fewest pages that keep every row's split count, so each row's splits are
 even (1024 tokens at a 144-token split: 8 splits of 128, not 7 of 144 and one of 16).
 """
@@ -28,6 +31,7 @@ SCHEDULES = ("grouped", "split")
 WHOLE_ROW_SLACK = 1.25   # a row up to this many times the balanced split is not cut
 ONE_ROUND_SLACK = 1.25   # one_round takes a split up to this many times the balanced one
 ONE_ROUND_STEPS = 8      # ... found in at most this many steps
+MIN_ROUNDS = 4           # a step that needs more than one round of tasks takes at least this many
 DETERMINISTIC_SPLIT_TOKENS = 512  # split size of deterministic (batch-invariant) plans
 
 
@@ -78,11 +82,13 @@ def task_bound(code: int, *, rows: int, pages: int, target_tasks: int,
                max_row_pages: int | None = None) -> int:
     """Most tasks a step of at most `rows` rows and `pages` pages can have under a choice code
     (rows of at most max_row_pages pages, when known). The default rule's split is at least
-    total / target_tasks, so each row adds at most one task past the target."""
+    total / target_tasks, or, when that takes more than one round, split * count /
+    (MIN_ROUNDS * target_tasks) > total / (MIN_ROUNDS * target_tasks); each row adds at most one
+    task past that."""
     if code < 0:
         return rows
     if code == 0:
-        return rows + target_tasks
+        return rows + MIN_ROUNDS * target_tasks
     bound = rows + -(-pages // code)
     if max_row_pages is not None:
         bound = min(bound, rows * -(-max_row_pages // code))

@@ -89,8 +89,12 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if from_results:
         measured = measured_from_results(from_results)
-        gpu = json.loads(Path(from_results[0]).read_text())["environment"]["device"]
+        env = json.loads(Path(from_results[0]).read_text())["environment"]
+        gpu = env["device"]
         info = {"from_results": [str(p) for p in from_results]}
+        fitted = env.get("shape")   # files without it were measured at the default shape
+        fitted = shape if fitted is None else ModelShape(**{k: fitted[k] for k in (
+            "num_qo_heads", "num_kv_heads", "head_dim")})
     else:
         wrong = [c for c in candidates if candidate_choice(c) is None]
         if wrong or not candidates:
@@ -109,6 +113,9 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
                 "candidates": [b.name for b in built], "functional_only": functional}
         # the measurements themselves, beside the policy: `--from-results` refits from them
         env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
+        env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
+                        "head_dim": shape.head_dim, "page_size": shape.page_size}
+        fitted = shape
         summary = [r for m in measured for r in summarize(m, ceiling_tbps=None)]
         steps = [{"case": m.name, **s} for m in measured for s in m.steps]
         write_results(out_path.parent, env=env, summary=summary, steps=steps,
@@ -118,6 +125,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         raise ValueError(f"from_results={[str(p) for p in from_results]} holds no step of a "
                          f"candidate (pkv-grouped, pkv-split, pkv-split@N)")
     policy = fit_policy(steps, gpu=gpu, objective="eager_us" if functional else objective,
+                        shape=(fitted.num_qo_heads, fitted.num_kv_heads, fitted.head_dim),
                         info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(out_path)

@@ -259,7 +259,8 @@ class PerSequence(Backend):
 # ':<key><value>' suffixes of our backends' names: a KernelConfig field and how its value is read
 CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "pps": ("programs_per_sm", int), "waves": ("waves", float),
-                   "oneround": ("one_round", {"0": False, "1": True}.__getitem__)}
+                   "oneround": ("one_round", {"0": False, "1": True}.__getitem__),
+                   "minsplit": ("min_split_tokens", int)}
 
 
 def _override_suffix(overrides: dict) -> str:

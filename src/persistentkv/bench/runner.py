@@ -17,6 +17,13 @@ from .measure import StepTiming, measure_step, reference_output
 from .traces import Trace, peak_tokens, replay
 
 
+# Hq / Hkv / head_dim of deployed GQA models (a tensor-parallel shard where named)
+MODEL_PRESETS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128),
+                 "llama3-70b-tp4": (16, 2, 128), "llama3-70b-tp8": (8, 1, 128),
+                 "qwen2.5-7b": (28, 4, 128), "qwen3-14b": (40, 8, 128), "gpt-oss": (64, 8, 64),
+                 "gpt-oss-tp8": (8, 1, 64), "gemma2-9b": (16, 8, 256)}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_qo_heads: int = 32
@@ -25,6 +32,17 @@ class ModelShape:
     page_size: int = 16
     dtype: torch.dtype = torch.float16
     layout: str = "HND"
+
+    @classmethod
+    def of(cls, preset: str | None = None, **fields) -> "ModelShape":
+        """A shape from a MODEL_PRESETS name (its heads and head dim), then `fields`; fields left
+        None keep the preset's value or the default."""
+        if preset is not None:
+            if preset not in MODEL_PRESETS:
+                raise ValueError(f"preset must be one of {list(MODEL_PRESETS)}, got {preset!r}")
+            heads = dict(zip(("num_qo_heads", "num_kv_heads", "head_dim"), MODEL_PRESETS[preset]))
+            fields = {**heads, **{k: v for k, v in fields.items() if v is not None}}
+        return cls(**{k: v for k, v in fields.items() if v is not None})
 
     def bytes_per_token(self) -> int:
         return self.num_kv_heads * self.head_dim * 2 * torch.tensor([], dtype=self.dtype).element_size()

@@ -5,6 +5,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .backends import make_backends
@@ -38,21 +39,34 @@ GRID_MIXES = {
     "B8 uniform": [19590, 16921, 28850, 3860, 9982, 23141, 9362, 30932],
     "B4 zipf": [430, 647, 1891, 1622],
     "B8 zipf": [259, 2040, 917, 24851, 2345, 270, 264, 372],
+    # mid-size serving batches: lengths drawn once (uniform 400-30K, seeds 16 and 32)
+    "B16 mix": [int(n) for n in np.random.default_rng(16).integers(400, 30000, 16)],
+    "B32 mix": [int(n) for n in np.random.default_rng(32).integers(400, 32000, 32)],
 }
 FUNCTIONAL_TRACE = TraceSpec("bucketed", 2, 3)
 FUNCTIONAL_PARAMS = {"buckets": (24, 90), "out_min": 2, "out_max": 3}  # small enough to interpret
 
 
-def grid_cases() -> list[tuple[str, list[int]]]:
+def grid_cases(names: list[str] | None = None) -> list[tuple[str, list[int]]]:
+    """The grid's cells (name, row lengths), or the named ones."""
     cells = [(f"B{b} L{n // 1024}K", [n] * b) for b in GRID_BATCHES for n in GRID_LENGTHS
-             if b * n <= GRID_MAX_TOKENS]
-    return cells + [(name, lens) for name, lens in GRID_MIXES.items()]
+             if b * n <= GRID_MAX_TOKENS] + list(GRID_MIXES.items())
+    if names is None:
+        return cells
+    unknown = [n for n in names if n not in dict(cells)]
+    if unknown:
+        raise ValueError(f"unknown grid cell(s) {unknown}; choose from {[n for n, _ in cells]}")
+    return [(n, lens) for n, lens in cells if n in names]
 
 
-def run_bench(*, device: torch.device, grid: bool, traces: list[str] | None, trace_file: str | None,
+def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = None, traces: list[str] | None, trace_file: str | None,
               batch_slots: int, backends: list[str], shape: ModelShape, opts: RunOptions,
               out_dir: Path, tag: str | None) -> int:
     functional = device.type != "cuda"
+    if cells is not None:
+        if not grid:
+            raise ValueError(f"cells={cells} pick grid cells: add --grid")
+        grid_cases(cells)   # names checked before anything runs
     if functional:
         print("No GPU: a functional run through Triton's interpreter; its timings mean nothing.")
         shape, opts = functional_setup(shape, opts)
@@ -69,7 +83,7 @@ def run_bench(*, device: torch.device, grid: bool, traces: list[str] | None, tra
 
     cases: list[tuple[str, object]] = []
     if grid and not functional:
-        cases = [(name, lens) for name, lens in grid_cases()]
+        cases = list(grid_cases(cells))
     elif grid:
         cases = [("B2 L100", [100, 100]), ("B3 mix", [5, 70, 33])]
     elif trace_file:

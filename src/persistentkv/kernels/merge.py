@@ -1,20 +1,22 @@
-"""Merge of a row's split partials, run by the last task of the row inside the decode kernel."""
+"""Merge of a row's split partials, run inside the decode kernel by the task that completes them."""
 import triton
 import triton.language as tl
 
+MERGE_UNROLL = tl.constexpr(4)   # partials in flight (measured against 1 and 8: docs/perf-notes.md, v6)
+
 
 @triton.jit
-def merge_partials(part_o_ptr, part_lse_ptr, slot_start, num_splits, first_head,
+def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, first_head,
                    NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, G_MERGE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Exact merge of partials slot_start .. slot_start + num_splits - 1 for heads
+    """Exact merge of the partials in slots first_slot + i * slot_stride, i < count, for heads
     first_head .. first_head + GROUP - 1.
 
     Partials: o fp32 [slots, Hq, HEAD_DIM] (normalized), lse2 fp32 [slots, Hq] (base 2). One
     partial per step, the group padded only to a power of two (G_MERGE), not to the 16 rows of
-    tl.dot; the loop's loads are software-pipelined. (Loading 8 partials at once as one
-    [8, G, D] block measured 1.5-6 us slower per step on the H200: see docs/perf-notes.md.) The
-    loads skip L1 (.cg): other programs wrote these partials during this launch.
+    tl.dot; the loop is unrolled MERGE_UNROLL times, so that that many partials' loads are in
+    flight at once (a partial's loads do not depend on the running state). The loads skip L1
+    (.cg): other programs wrote these partials during this launch.
     Returns (o [G_MERGE, D_PAD], lse2 [G_MERGE]); rows past GROUP are padding.
     """
     offs_g = tl.arange(0, G_MERGE)
@@ -25,8 +27,8 @@ def merge_partials(part_o_ptr, part_lse_ptr, slot_start, num_splits, first_head,
     acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
     m = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
     total = tl.zeros([G_MERGE], dtype=tl.float32)
-    for split in tl.range(0, num_splits):
-        slot = slot_start + split
+    for i in tl.range(0, count, loop_unroll_factor=MERGE_UNROLL):
+        slot = first_slot + i * slot_stride
         lse = tl.load(part_lse_ptr + slot * NUM_QO_HEADS + heads, mask=g_mask, other=float("-inf"),
                       cache_modifier=".cg")                                           # [G]
         o = tl.load(part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :],

@@ -18,7 +18,7 @@ POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with 
 @triton.jit
 def _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
                 whole_row_min_rows, whole_row_slack, one_round_slack,
-                PAGE_SIZE: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr):
+                PAGE_SIZE: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr, MIN_ROUNDS: tl.constexpr):
     """The default split size in tokens (schedule.py describes the rule)."""
     split = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks).to(tl.int32))
     if (active_rows >= whole_row_min_rows) & (max_len.to(tl.float32)
@@ -37,6 +37,14 @@ def _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_token
             count = tl.sum(tl.cdiv(lens, split), axis=0)
         if (count > target_tasks) | (split.to(tl.float32) > one_round_slack * balanced.to(tl.float32)):
             split = balanced
+    # More than one round of tasks, the last one less than 90% full: at least MIN_ROUNDS rounds,
+    # so that the idle part of the last one is a small part of the step.
+    count = tl.sum(tl.cdiv(lens, split), axis=0)
+    rounds = tl.cdiv(count, target_tasks)
+    few = (count > target_tasks) & (count < MIN_ROUNDS * target_tasks) & (
+        count * 10 < rounds * target_tasks * 9)
+    smaller = tl.maximum(tl.cdiv(split * count, MIN_ROUNDS * target_tasks), min_split_tokens)
+    split = tl.where(few, tl.maximum(tl.cdiv(smaller, PAGE_SIZE), 1) * PAGE_SIZE, split)
     row_splits = tl.maximum(tl.cdiv(lens, split), 1)   # even splits: fewest pages, same counts
     even = tl.max(tl.cdiv(lens, row_splits), axis=0)
     return tl.maximum(tl.cdiv(even, PAGE_SIZE), 1) * PAGE_SIZE
@@ -80,11 +88,12 @@ def _write_tasks(tasks_ptr, row, seq_len, num_splits, first_full, last_at, page_
                                "task_capacity", "choice", "target_tasks", "min_split_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins"])
 def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
-                block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, task_capacity, choice, target_tasks, min_split_tokens, whole_row_min_rows, whole_row_slack,
-                one_round_slack, n_len_bins, n_spread_bins,
+                block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, task_capacity,
+                choice, target_tasks, min_split_tokens, whole_row_min_rows,
+                whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
-                EDGES: tl.constexpr):
+                MIN_ROUNDS: tl.constexpr, EDGES: tl.constexpr):
     """Program b writes row b's tasks; program 0 also writes the plan info.
 
     Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
@@ -120,7 +129,7 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
         code = choice
     split = _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
                         whole_row_min_rows, whole_row_slack, one_round_slack, PAGE_SIZE,
-                        ONE_ROUND_STEPS)
+                        ONE_ROUND_STEPS, MIN_ROUNDS)
     split = tl.where(code > 0, code * PAGE_SIZE, split)
     split = tl.where(code < 0, tl.maximum(tl.cdiv(max_len, PAGE_SIZE), 1) * PAGE_SIZE, split)
 
