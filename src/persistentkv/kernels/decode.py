@@ -155,6 +155,9 @@ def _merge_split(o, lse2, row, kv_head, split, slot_start, num_splits, heads, of
             o_g, lse_g = merge_partials(part_o_ptr, part_lse_ptr, (slot_start + first).to(tl.int64),
                                         members, 1, first_head, NUM_QO_HEADS, GROUP, G_MERGE,
                                         HEAD_DIM, D_PAD)
+            # the group's result overwrites its first partial: every thread's loads of it first
+            # (a value is held by several threads where the tile has fewer elements than threads)
+            tl.debug_barrier()
             _store_partial(o_g, lse_g, slot_start + first, first_head + offs_m, offs_d, merge_mask,
                            m_mask, part_o_ptr, part_lse_ptr, NUM_QO_HEADS, HEAD_DIM)
         count = tl.cdiv(num_splits, fanin)
