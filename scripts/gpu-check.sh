@@ -12,7 +12,7 @@ gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].l
 out=${OUT_DIR:-results/$gpu}
 mkdir -p "$out"
 steps=${*:-tests sanitize grid calibrate evaluate}
-backends=pkv-grouped,pkv-split,pkv-auto,fi-cuda-core,fi-tensor-core,fi-xqa
+backends=pkv-grouped,pkv-split,pkv-balanced,pkv-auto,fi-cuda-core,fi-tensor-core,fi-xqa
 kernel_tests='g4-d128-p16-mixed and fp16 or merge_of_many'
 status=0
 for step in $steps; do

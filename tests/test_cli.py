@@ -47,8 +47,8 @@ def test_defaults_name_the_new_backends():
 
     parser = build_parser()
     assert parser.parse_args(["calibrate"]).candidates == ",".join(CANDIDATES)
-    assert parser.parse_args(["bench"]).backends.split(",")[:3] == ["pkv-grouped", "pkv-split",
-                                                                   "pkv-auto"]
+    assert parser.parse_args(["bench"]).backends.split(",")[:4] == ["pkv-grouped", "pkv-split",
+                                                                   "pkv-balanced", "pkv-auto"]
     assert parser.parse_args(["evaluate"]).backends == (
         "pkv-grouped,pkv-split,pkv-split@16,pkv-split@64,fi-cuda-core,fi-tensor-core,fi-xqa")
 

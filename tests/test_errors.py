@@ -270,14 +270,18 @@ def test_sm_scale_values(case):
 
 def test_removed_backends_are_refused(case):
     for old in ("workqueue", "pkv-split", "graph"):
-        with pytest.raises(ValueError, match=r"backend must be one of \('grouped', 'split', 'auto'\)"):
+        with pytest.raises(ValueError, match=r"backend must be one of \('grouped', 'split', "
+                                             r"'balanced', 'auto'\)"):
             planned(case, backend=old)
     with pytest.raises(ValueError, match="split_pages=2 needs backend='split'"):
         planned(case, backend="grouped", split_pages=2)
     with pytest.raises(ValueError, match="backend='auto' chooses the split itself"):
         planned(case, split_pages=2)
-    with pytest.raises(ValueError, match="backend='grouped' keeps them whole"):
-        planned(case, backend="grouped", deterministic=True)
+    for backend in ("grouped", "balanced"):
+        with pytest.raises(ValueError, match=f"backend='{backend}' cuts them by the batch"):
+            planned(case, backend=backend, deterministic=True)
+    with pytest.raises(ValueError, match="backend='balanced' sizes its own splits"):
+        planned(case, backend="balanced", split_pages=2)
 
 
 @pytest.mark.parametrize("scale", [[0.1], "0.1"])

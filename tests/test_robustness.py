@@ -36,7 +36,7 @@ def test_deterministic_mode_is_batch_invariant(split_pages):
 
 def test_deterministic_grouped_is_refused():
     case = make_case(seq_lens=[20], **HEADS)
-    with pytest.raises(ValueError, match="backend='grouped' keeps them whole"):
+    with pytest.raises(ValueError, match="backend='grouped' cuts them by the batch"):
         DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **HEADS, backend="grouped",
                                   deterministic=True)
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from paged_case import DEVICE
 from persistentkv import DecodeWrapper, PageTable
 from persistentkv.runtime import sm_count
-from persistentkv.schedule import (MIN_ROUNDS, ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK,
-                                   Choice)
+from persistentkv.schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
+                                   chunks_per_head)
 from persistentkv.tuning import KernelConfig
 
 SMS = sm_count(DEVICE)   # 4 on the interpreter (runtime.CPU_SM_COUNT), the GPU's SMs on a GPU
@@ -31,7 +31,7 @@ def cdiv(a, b):
 
 def documented_split(lens, *, page_size: int, num_kv_heads: int, config: KernelConfig,
                      sms: int = SMS) -> int:
-    """schedule.py's default split rule, in tokens, for the active rows of `lens`."""
+    """schedule.py's split rule, in tokens, for the active rows of `lens`."""
     lens = np.asarray(lens, dtype=np.int64)
     lens = lens[lens > 0]
     target = max(1, int(config.waves * sms / num_kv_heads))     # tasks per KV head
@@ -49,14 +49,22 @@ def documented_split(lens, *, page_size: int, num_kv_heads: int, config: KernelC
         fit = np.flatnonzero(counts <= target)
         if len(fit) and len(np.unique(counts[: fit[0] + 1])) - 1 <= ONE_ROUND_STEPS:
             split = int(candidates[fit[0]])
-    # more than one round of tasks, the last under 90% full: at least MIN_ROUNDS rounds
-    count = int(cdiv(lens, split).sum())
-    if target < count < MIN_ROUNDS * target and 10 * count < 9 * cdiv(count, target) * target:
-        split = max(cdiv(split * count, MIN_ROUNDS * target), config.min_split_tokens)
-        split = max(1, cdiv(split, page_size)) * page_size
     # even splits: the fewest pages that keep every row's split count
     even = int(cdiv(lens, cdiv(lens, split)).max())
     return max(1, cdiv(even, page_size)) * page_size
+
+
+def documented_plan(lens, *, page_size: int, num_kv_heads: int, config: KernelConfig,
+                    sms: int = SMS) -> tuple[Choice, int]:
+    """schedule.py's default rule: (Choice("split"), split tokens) when the split rule's tasks
+    fit in one round, else (Choice("balanced"), chunk tokens)."""
+    split = documented_split(lens, page_size=page_size, num_kv_heads=num_kv_heads, config=config,
+                             sms=sms)
+    target = max(1, int(config.waves * sms / num_kv_heads))
+    if sum(cdiv(int(n), split) for n in lens if n > 0) <= target:
+        return Choice("split"), split
+    return Choice("balanced"), page_size * documented_chunk_pages(
+        lens, page_size=page_size, num_kv_heads=num_kv_heads, config=config, sms=sms)
 
 
 def table_for(lens, page_size: int, seed: int = 0) -> PageTable:
@@ -90,12 +98,15 @@ def check_tasks(plan, lens, starts, page_size):
     """What every plan must hold: each active row's tokens in exactly one task each, cut at whole
     pages into splits of split_tokens; the run order; partial slots."""
     info, rec = plan.info(), plan.task_records()
+    if info["choice"] == Choice("balanced"):
+        return check_balanced(plan, lens, starts, page_size)
     lens = np.asarray(lens, dtype=np.int64)
     split = info["split_tokens"]
-    assert info["tasks_over_capacity"] == 0
-    assert rec.shape == (info["num_tasks"], 7)
+    assert info["tasks_over_capacity"] == 0 and info["num_chunks"] == 0
+    assert rec.shape == (info["num_tasks"], 8)
     assert split >= page_size and split % page_size == 0
-    row, part, lo, hi, page_start, slot_start, num_splits = rec.T
+    row, part, lo, hi, page_start, slot_start, num_splits, nxt = rec.T
+    assert (nxt == -1).all()
     # coverage: row r is tasks j = 0 .. cdiv(len, split) - 1 of [j * split, min((j+1) * split, len))
     for r, n in enumerate(lens):
         mine = np.flatnonzero(row == r)
@@ -124,6 +135,57 @@ def check_tasks(plan, lens, starts, page_size):
     return info, rec
 
 
+def documented_chunk_pages(lens, *, page_size: int, num_kv_heads: int, config: KernelConfig,
+                           sms: int = SMS) -> int:
+    """schedule.py's balanced rule: the chunk size in pages."""
+    pages = sum(cdiv(int(n), page_size) for n in lens)
+    chunks = max(1, config.programs_per_sm * sms // num_kv_heads)
+    return max(cdiv(max(config.min_split_tokens, 1), page_size), cdiv(pages, chunks))
+
+
+def check_balanced(plan, lens, starts, page_size):
+    """A balanced plan: the rows' pages end to end, cut into chunks of split_tokens; record c
+    starts chunk c and the `next` links walk each chunk's tasks in stream order; every token of
+    every row in exactly one task; partial slots as in check_tasks."""
+    info, rec = plan.info(), plan.task_records()
+    assert info["tasks_over_capacity"] == 0
+    lens = np.asarray(lens, dtype=np.int64)
+    pages = cdiv(lens, page_size)
+    total = int(pages.sum())
+    chunk = info["split_tokens"] // page_size
+    assert info["split_tokens"] % page_size == 0 and chunk >= 1
+    assert info["num_chunks"] == cdiv(total, chunk)
+    assert rec.shape == (info["num_tasks"], 8)
+    row, part, lo, hi, page_start, slot_start, num_splits, nxt = rec.T
+    offset = np.concatenate([[0], np.cumsum(pages)])[:-1]
+    seen = []
+    for c in range(info["num_chunks"]):           # chunk c covers stream pages [c*C, (c+1)*C)
+        at, stream = c, c * chunk
+        while at >= 0:
+            seen.append(at)
+            r = row[at]
+            assert offset[r] + lo[at] // page_size == stream, (c, at)
+            stream = offset[r] + cdiv(hi[at], page_size)
+            at = nxt[at]
+        assert stream == min((c + 1) * chunk, total), c
+    assert sorted(seen) == list(range(len(rec)))  # every task in exactly one chunk
+    for r, n in enumerate(lens):
+        mine = np.flatnonzero(row == r)
+        if not n:
+            assert len(mine) == 0
+            continue
+        mine = mine[np.argsort(part[mine])]
+        assert part[mine].tolist() == list(range(len(mine)))
+        assert lo[mine][0] == 0 and hi[mine][-1] == n and (lo[mine][1:] == hi[mine][:-1]).all()
+        assert (num_splits[mine] == len(mine)).all() and (page_start[mine] == starts[r]).all()
+    assert (lo % page_size == 0).all() and (hi > lo).all()
+    assert ((slot_start == -1) == (num_splits == 1)).all()
+    slots = (slot_start + part)[num_splits > 1]
+    assert len(set(slots.tolist())) == len(slots)
+    assert (slots >= 0).all() and (slots < plan.workspace.capacity).all()
+    return info, rec
+
+
 def test_whole_rows_when_rows_fill_the_sms():
     """SMS rows x 2 KV heads fill the SMs twice: one task per row, no partials. A row alone is
     cut into about waves x SMs tasks."""
@@ -138,15 +200,15 @@ def test_whole_rows_when_rows_fill_the_sms():
     assert info["num_tasks"] > 1
 
 
-def test_a_long_row_in_a_large_batch_is_still_cut():
-    """One 32K row among 1K rows: whole rows would leave that row's task running alone."""
+def test_a_long_row_in_a_large_batch_is_balanced():
+    """One 32K row among 1K rows: the split rule's tasks take more than one round, so the default
+    rule plans balanced chunks, and the long row is cut among them."""
     lens = [32768] + [1024] * (2 * SMS - 1)
     plan, starts = plan_for(lens)
     info, rec = check_tasks(plan, lens, starts, 16)
-    split = info["split_tokens"]
-    assert split == documented_split(lens, page_size=16, num_kv_heads=2, config=CFG)
-    assert split < 32768
-    assert split >= 1024 and (rec[rec[:, 0] > 0, 6] == 1).all()     # the short rows stay whole
+    assert (info["choice"], info["split_tokens"]) == documented_plan(lens, page_size=16,
+                                                                     num_kv_heads=2, config=CFG)
+    assert info["choice"] == Choice("balanced") and rec[rec[:, 0] == 0, 6][0] > 1
 
 
 def test_small_batches_split_to_about_waves_per_sm():
@@ -160,46 +222,53 @@ def test_small_batches_split_to_about_waves_per_sm():
     assert info["split_tokens"] == 112 and rec[:, 3].tolist() == [112, 224, 300]
 
 
+PPS_33 = 33 * 8 // SMS   # programs per SM that give 33 chunks per KV head at 8 KV heads
+
+
 def test_even_splits_keep_the_task_count():
     """33 tasks per KV head (as 8 KV heads on 132 SMs): B4 x 1K is 8 splits of 128 per row;
     B4 x 128K with one_round is 8 splits of 16K per row (32 tasks), not 9 of 15.9K (36, a second
-    round of 3); without one_round those 36 tasks would take 1.1 rounds, so they become at least
-    MIN_ROUNDS rounds: 31 even splits of 4240 tokens per row (124 tasks)."""
+    round of 3); without one_round those 36 tasks would take two rounds, so the default rule
+    plans 33 balanced chunks of 993 pages instead (and 3 rows that start inside a chunk: 36
+    tasks, one round)."""
     waves = 33 * 8 / SMS
-    for lens, one_round, split, tasks in (([1024] * 4, False, 128, 32),
-                                          ([131072] * 4, True, 16384, 32),
-                                          ([131072] * 4, False, 4240, 124)):
-        config = KernelConfig(waves=waves, one_round=one_round)
+    for lens, one_round, choice, split, tasks in (
+            ([1024] * 4, False, Choice("split"), 128, 32),
+            ([131072] * 4, True, Choice("split"), 16384, 32),
+            ([131072] * 4, False, Choice("balanced"), 993 * 16, 36)):
+        config = KernelConfig(waves=waves, one_round=one_round, programs_per_sm=PPS_33)
         plan, starts = plan_for(lens, num_kv_heads=8, config=config)
         info, _ = check_tasks(plan, lens, starts, 16)
-        assert (info["split_tokens"], info["num_tasks"]) == (split, tasks), (lens, one_round)
-        assert split == documented_split(lens, page_size=16, num_kv_heads=8, config=config)
+        assert (info["choice"], info["split_tokens"], info["num_tasks"]) == (choice, split, tasks)
+        assert (choice, split) == documented_plan(lens, page_size=16, num_kv_heads=8,
+                                                  config=config)
 
 
 @pytest.mark.parametrize("lens", [[131072] * 4, [40000, 9000, 120000], [5000] * 12,
                                   [100000] + [1000] * 29])
 def test_one_round_fits_the_target_when_the_split_grows_little(lens):
     """one_round grows the balanced split to fit the target, by at most ONE_ROUND_SLACK: uniform
-    long rows fit; a long row among many short ones keeps the balanced split."""
+    long rows fit; a long row among many short ones does not, and is planned in balanced
+    chunks."""
     waves = 33 * 8 / SMS
-    splits = {}
+    plans = {}
     for one_round in (False, True):
-        config = KernelConfig(waves=waves, one_round=one_round)
+        config = KernelConfig(waves=waves, one_round=one_round, programs_per_sm=PPS_33)
         plan, starts = plan_for(lens, num_kv_heads=8, config=config)
         info, _ = check_tasks(plan, lens, starts, 16)
-        assert info["split_tokens"] == documented_split(lens, page_size=16, num_kv_heads=8,
-                                                        config=config)
-        splits[one_round] = info["split_tokens"], info["num_tasks"]
-    (even, even_tasks), (grown, grown_tasks) = splits[False], splits[True]
+        plans[one_round] = info["choice"], info["split_tokens"], info["num_tasks"]
+        assert plans[one_round][:2] == documented_plan(lens, page_size=16, num_kv_heads=8,
+                                                       config=config)
     if lens == [131072] * 4:
-        assert grown_tasks <= 33 < even_tasks
+        assert plans[True][0] == Choice("split") and plans[True][2] <= 33
+        assert plans[False][0] == Choice("balanced")
     if len(lens) == 30:
-        assert (grown, grown_tasks) == (even, even_tasks) and grown_tasks > 33
-    assert grown_tasks <= even_tasks
+        assert plans[True] == plans[False] and plans[True][0] == Choice("balanced")
 
 
 @pytest.mark.parametrize("backend, split_pages, code", [("grouped", None, -1), ("split", None, 0),
-                                                         ("split", 3, 3), ("auto", None, 0)])
+                                                         ("split", 3, 3), ("auto", None, 0),
+                                                         ("balanced", None, -2)])
 def test_choice_codes(backend, split_pages, code):
     """The plan reports the choice it ran (auto on a GPU without a fitted policy, or on the
     interpreter: the default split rule); a grouped plan is one task per row."""
@@ -216,12 +285,18 @@ def test_choice_codes(backend, split_pages, code):
     elif backend == "split":
         assert info["split_tokens"] == documented_split(lens, page_size=16, num_kv_heads=2,
                                                         config=CFG)
+    elif code == -2:
+        assert info["split_tokens"] == 16 * documented_chunk_pages(lens, page_size=16,
+                                                                   num_kv_heads=2, config=CFG)
 
 
 def test_choice_values():
-    assert [Choice("grouped").code(), Choice("split").code(), Choice("split", 8).code()] == [-1, 0, 8]
-    assert [str(Choice.from_code(c)) for c in (-1, 0, 8)] == ["grouped", "split", "split@8"]
+    assert [Choice("grouped").code(), Choice("split").code(), Choice("split", 8).code(),
+            Choice("balanced").code()] == [-1, 0, 8, -2]
+    assert [str(Choice.from_code(c)) for c in (-1, 0, 8, -2)] == ["grouped", "split", "split@8",
+                                                                  "balanced"]
     for bad in (dict(schedule="workqueue"), dict(schedule="grouped", split_pages=2),
+                dict(schedule="balanced", split_pages=2),
                 dict(split_pages=0), dict(split_pages=True), dict(split_pages=2.0)):
         with pytest.raises(ValueError):
             Choice(**bad)
@@ -246,7 +321,7 @@ def test_a_table_whose_tasks_overflow_the_buffer_plans_none():
     plan = wrapper.plan(**kwargs)
     assert plan.workspace.capacity < 512
     assert plan.info()["num_tasks"] == 0 and plan.info()["tasks_over_capacity"] == 8 * 64
-    assert plan.task_records().shape == (0, 7)
+    assert plan.task_records().shape == (0, 8)
     q = torch.randn(16, 2, 16, dtype=torch.float16, device=DEVICE)
     cache = torch.randn(64, 2, 16, 1, 16, dtype=torch.float16, device=DEVICE)
     out = torch.full_like(q, float("nan"))
@@ -260,11 +335,13 @@ def test_a_table_whose_tasks_overflow_the_buffer_plans_none():
 def steps(draw):
     page = draw(st.sampled_from([1, 4, 16]), label="page_size")
     lens = draw(st.lists(st.integers(0, 400) | st.just(0), min_size=1, max_size=6), label="lens")
-    choice = draw(st.sampled_from(["grouped", "split", "split@n", "auto"]), label="choice")
+    choice = draw(st.sampled_from(["grouped", "split", "split@n", "auto", "balanced"]),
+                  label="choice")
     split_pages = draw(st.integers(1, 8), label="split_pages") if choice == "split@n" else None
     config = KernelConfig(min_split_tokens=draw(st.sampled_from([16, 128]), label="min_split"),
                           waves=draw(st.sampled_from([0.5, 2.0, 8.0]), label="waves"),
-                          one_round=draw(st.booleans(), label="one_round"))
+                          one_round=draw(st.booleans(), label="one_round"),
+                          programs_per_sm=draw(st.sampled_from([1, 2, 3]), label="programs_per_sm"))
     return dict(lens=lens, page_size=page, backend="split" if choice == "split@n" else choice,
                 split_pages=split_pages, config=config,
                 num_kv_heads=draw(st.sampled_from([1, 2, 8]), label="num_kv_heads"),
@@ -290,11 +367,16 @@ def test_tasks_cover_every_token_once_in_order(s):
     elif s["backend"] == "grouped":
         assert info["split_tokens"] == cdiv(max(lens), page) * page
         assert info["num_tasks"] == sum(n > 0 for n in lens)
+    elif s["backend"] == "balanced":
+        assert info["split_tokens"] == page * documented_chunk_pages(
+            lens, page_size=page, num_kv_heads=s["num_kv_heads"], config=s["config"])
+        assert info["num_chunks"] <= chunks_per_head(programs=s["config"].programs_per_sm * SMS,
+                                                     num_kv_heads=s["num_kv_heads"])
     elif s["backend"] == "split" or not torch.cuda.is_available():   # auto: no policy on the CPU
-        assert info["split_tokens"] == documented_split(lens, page_size=page,
-                                                        num_kv_heads=s["num_kv_heads"],
-                                                        config=s["config"])
+        assert (info["choice"], info["split_tokens"]) == documented_plan(
+            lens, page_size=page, num_kv_heads=s["num_kv_heads"], config=s["config"])
         # the even split is the fewest pages that keep every row's split count
         active = np.asarray([n for n in lens if n], dtype=np.int64)
         split = info["split_tokens"]
-        assert split == page or (cdiv(active, split - page) > cdiv(active, split)).any()
+        assert (info["choice"] == Choice("balanced") or split == page
+                or (cdiv(active, split - page) > cdiv(active, split)).any())

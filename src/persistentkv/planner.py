@@ -20,8 +20,8 @@ from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
 from .policy import EDGES, Policy, fallback_choice, load_policy
 from .runtime import next_power_of_2, sm_count
-from .schedule import (MIN_ROUNDS, ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
-                       balanced_task_count, task_bound, whole_row_min_rows)
+from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
+                       chunks_per_head, split_task_target, task_bound, whole_row_min_rows)
 from .tuning import KernelConfig
 
 CAPACITY_QUANTUM = 256   # task buffers grow in steps of this many tasks
@@ -45,7 +45,7 @@ class PlanOptions:
 
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
-    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit), partial
+    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks), partial
     outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
     [capacity * Hkv], by partial slot (zero between launches). `generation` counts the reallocations."""
 
@@ -108,16 +108,18 @@ class DecodePlan:
     launch_key: tuple
 
     def info(self) -> dict:
-        """What the planner decided (reads the device): task count, split size, choice."""
-        count, split, code, _, overflow = self.workspace.info[:5].tolist()
+        """What the planner decided (reads the device): task count, split size (a balanced
+        plan's chunk size), choice, the tasks that did not fit, a balanced plan's chunks."""
+        count, split, code, _, overflow, chunks = self.workspace.info[:6].tolist()
         return {"num_tasks": count, "split_tokens": split, "choice": Choice.from_code(code),
-                "tasks_over_capacity": overflow}
+                "tasks_over_capacity": overflow, "num_chunks": chunks}
 
     def task_records(self) -> np.ndarray:
-        """int64 [num_tasks, 7]: (row, split, tok_lo, tok_hi, page_start, slot_start, num_splits)
-        in the order the kernel runs them (reads the device)."""
+        """int64 [num_tasks, 8]: (row, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
+        next) as the planner wrote them (reads the device); `next` is the record that follows in a
+        balanced plan's chunk, else -1."""
         count = int(self.workspace.info[0])
-        return self.workspace.tasks[:count, :7].cpu().numpy().astype(np.int64)
+        return self.workspace.tasks[:count].cpu().numpy().astype(np.int64)
 
 
 class Planner:
@@ -166,11 +168,12 @@ class Planner:
         setup = self._setups.get((options, device))
         if setup is None:
             setup = self._setups[options, device] = self._setup(options, device)
-        codes, target, fixed_tail = setup
+        codes, target, chunks, fixed_tail = setup
         rows = self.fixed_rows or table.rows
         pages = self.fixed_pages or table.pages
         need = dict(tasks=max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
-                                         max_row_pages=table.max_row_pages) for c in codes),
+                                         chunks=chunks, max_row_pages=table.max_row_pages)
+                              for c in codes),
                     partial_heads=options.num_qo_heads, head_dim=options.head_dim,
                     kv_heads=options.num_kv_heads)
         if ws is None or ws.device != device:
@@ -209,9 +212,12 @@ class Planner:
 
     def _setup(self, options: PlanOptions, device: torch.device) -> tuple:
         """What plan() needs of a set of options, once: the choice codes the step may take, the
-        task target, and the planner's fixed arguments after the workspace buffers."""
+        split rule's task target, a balanced plan's chunks per KV head, and the planner's fixed
+        arguments after the workspace buffers."""
         cfg, sms = options.config, sm_count(device)
-        target = balanced_task_count(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
+        target = split_task_target(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
+        chunks = chunks_per_head(programs=cfg.programs_per_sm * sms,
+                                 num_kv_heads=options.num_kv_heads)
         choice = options.choice
         if choice is None and not self._policy(device).applies_to(
                 num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
@@ -220,10 +226,10 @@ class Planner:
         dense = None if choice is not None else self._policy(device).dense_codes()
         codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
-        fixed_tail = (choice.code() if dense is None else 0, target, cfg.min_split_tokens,
+        fixed_tail = (choice.code() if dense is None else 0, target, chunks, cfg.min_split_tokens,
                       whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
                       WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
-        return codes, target, (edges, table, fixed_tail, dense is not None)
+        return codes, target, chunks, (edges, table, fixed_tail, dense is not None)
 
     def _bind(self, options: PlanOptions, table: PageTableArgs, ws: Workspace, fixed_tail: tuple,
               block_rows: int, align: tuple) -> BoundLaunch:
@@ -232,7 +238,6 @@ class Planner:
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
                           ONE_ROUND_STEPS=ONE_ROUND_STEPS if options.config.one_round else 0,
-                          MIN_ROUNDS=MIN_ROUNDS,
                           EDGES=POLICY_EDGES)
         key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,

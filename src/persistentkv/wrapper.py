@@ -90,8 +90,9 @@ class DecodeWrapper:
         kv_indices and block_table live on the kernel's device; kv_indptr, kv_last_page_len and
         seq_lens may be there too or on the host (copied without waiting for the device).
         backend: "auto" (the policy decides per step, on the device), "grouped" (one task per row
-        and KV head) or "split" (splits of split_pages pages, default: the split rule of
-        schedule.py); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's tile and launch
+        and KV head), "split" (splits of split_pages pages, default: the split rule of
+        schedule.py) or "balanced" (every program an equal share of the step's pages, one
+        round; schedule.py); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's tile and launch
         shape (default: tuning.default_config). deterministic=True makes the output
         batch-invariant: splits of a fixed size in tokens (split_pages, default
         schedule.DETERMINISTIC_SPLIT_TOKENS), so a row's result is bitwise the same whatever else
@@ -181,20 +182,20 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
             raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
         sm_scale = scale
     if deterministic:   # a per-step choice of schedule or split would break batch invariance
-        if backend == "grouped":
-            raise ValueError("deterministic=True cuts rows into splits of a fixed size; "
-                             "backend='grouped' keeps them whole: use 'split' or 'auto'")
+        if backend in ("grouped", "balanced"):
+            raise ValueError(f"deterministic=True cuts rows into splits of a fixed size; "
+                             f"backend={backend!r} cuts them by the batch: use 'split' or 'auto'")
         choice = Choice("split", split_pages or max(1, -(-DETERMINISTIC_SPLIT_TOKENS // page_size)))
     elif backend == "auto":
         if split_pages is not None:
             raise ValueError(f"backend='auto' chooses the split itself; split_pages={split_pages} "
                              f"needs backend='split'")
         choice = None
-    elif backend == "grouped":
+    elif backend in ("grouped", "balanced"):
         if split_pages is not None:
-            raise ValueError(f"backend='grouped' keeps rows whole; split_pages={split_pages} needs "
-                             f"backend='split'")
-        choice = Choice("grouped")
+            raise ValueError(f"backend={backend!r} sizes its own splits; split_pages={split_pages} "
+                             f"needs backend='split'")
+        choice = Choice(backend)
     else:
         choice = Choice("split", split_pages)
     return PlanOptions(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

@@ -94,13 +94,33 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
     result.eager_us = statistics.median(walls)
     result.plan_us = statistics.median(plans)
     result.run_us = statistics.median(runs)
-    if device.type == "cuda":
-        try:
-            result.graph_us = graph_time_per_layer(backend, step, layers, reps=graph_reps)
-        except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured is reported
-            torch.cuda.synchronize(device)
-            result.status, result.note = "failed", f"graph capture: {type(exc).__name__}: {exc}"[:300]
+    if device.type == "cuda" and graph_reps > 0:
+        time_graphs([(backend, result)], step, reps=graph_reps)
     return result
+
+
+def time_graphs(timed: list[tuple[Backend, StepTiming]], step: StepInputs, *, reps: int) -> None:
+    """Set each timing's graph_us: the device time of one layer, from CUDA-graph replays of the
+    step's L runs (with the plan, for a backend that plans on the GPU). The backends' graphs are
+    captured first, then replayed in turn, each round starting one backend later, so that a drift
+    of the GPU's clocks over the cell falls on every backend alike and none is always first. A
+    backend whose step cannot be captured is marked failed."""
+    layers = len(step.queries)
+    graphs, owners = [], []
+    for backend, timing in timed:
+        def body(backend=backend):
+            if backend.capture_plan:
+                backend.plan(step)
+            for layer in range(layers):
+                backend.run(layer)
+        try:
+            graphs.append(capture_graph(body))
+            owners.append(timing)
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured is reported
+            torch.cuda.synchronize()
+            timing.status, timing.note = "failed", f"graph capture: {type(exc).__name__}: {exc}"[:300]
+    for timing, us in zip(owners, replay_medians(graphs, reps=reps)):
+        timing.graph_us = us / layers
 
 
 def graph_time_per_layer(backend: Backend, step: StepInputs, layers: int, *, reps: int) -> float:
@@ -116,9 +136,8 @@ def graph_time_per_layer(backend: Backend, step: StepInputs, layers: int, *, rep
     return graph_replay_us(body, reps=reps) / layers
 
 
-def graph_replay_us(body, *, reps: int) -> float:
-    """Median device time (us) of one replay of a CUDA graph that captures body(): warmed up
-    once on the capture stream, timed with CUDA events around each replay."""
+def capture_graph(body) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of body(), warmed up once on the capture stream and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):          # warm-up on the capture stream
@@ -128,16 +147,29 @@ def graph_replay_us(body, *, reps: int) -> float:
     with torch.cuda.graph(graph):
         body()
     graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times)
+    return graph
+
+
+def replay_medians(graphs: list[torch.cuda.CUDAGraph], *, reps: int, warmup: int = 2) -> list[float]:
+    """Median device time (us) of one replay of each graph, timed with CUDA events around each
+    replay; the graphs take turns, round r starting at graph r mod len(graphs)."""
+    times = [[] for _ in graphs]
+    for r in range(warmup + reps):
+        for i in range(len(graphs)):
+            at = (r + i) % len(graphs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[at].replay()
+            end.record()
+            end.synchronize()
+            if r >= warmup:
+                times[at].append(start.elapsed_time(end) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def graph_replay_us(body, *, reps: int) -> float:
+    """Median device time (us) of one replay of a CUDA graph that captures body()."""
+    return replay_medians([capture_graph(body)], reps=reps)[0]
 
 
 def bandwidth_ceiling(device: torch.device, *, gib: float = 4.0, reps: int = 10) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from ..cache import PagedKVCache
 from .backends import Backend, StepInputs
-from .measure import StepTiming, measure_step, reference_output
+from .measure import StepTiming, measure_step, reference_output, time_graphs
 from .traces import Trace, peak_tokens, replay
 
 
@@ -117,17 +117,21 @@ def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
 
 def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts: RunOptions,
                 dead: set[str]) -> list[StepTiming]:
-    """Every live backend on one step; a backend that fails once is left out of later steps."""
+    """Every live backend on one step: each checked and timed eagerly, then their graphs replayed
+    in turn (measure.time_graphs). A backend that fails once is left out of later steps."""
     reference = reference_output(step) if check else None
-    results = []
+    results, graphed = [], []
     for backend in backends:
         if backend.name in dead:
             continue
         timing = measure_step(backend, step, reference=reference, eager_reps=opts.eager_reps,
-                              graph_reps=opts.graph_reps)
-        if timing.status == "failed":
-            dead.add(backend.name)
+                              graph_reps=0)
         results.append(timing)
+        if timing.status == "ok" and step.queries[0].is_cuda and opts.graph_reps > 0:
+            graphed.append((backend, timing))
+    if graphed:
+        time_graphs(graphed, step, reps=opts.graph_reps)
+    dead.update(t.backend for t in results if t.status == "failed")
     return results
 
 

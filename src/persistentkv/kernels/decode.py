@@ -5,7 +5,8 @@ A task is (row, KV head, split): tokens [tok_lo, tok_hi) of the row, as the plan
 G_PAD >= 16 rows for tl.dot). A row read by one task writes its output directly; a row cut into
 several tasks writes normalized partials (o, lse) that merge.py combines.
 
-Grid: (programs,), persistent: each program runs one item, then claims the next from a counter.
+Grid: (programs,), persistent: each program runs one item, then the rest of its chunk (a balanced
+plan) or the items it claims from a counter (a split or grouped step of more than one round).
 """
 import triton
 import triton.language as tl
@@ -173,14 +174,14 @@ def _merge_split(o, lse2, row, kv_head, split, slot_start, num_splits, heads, of
 
 
 @triton.jit
-def _load_task(tasks_ptr, item, valid, NUM_KV_HEADS: tl.constexpr):
-    """Item -> (row, split, tok_lo, tok_hi, page_start, slot_start, num_splits) of its task
-    record (independent loads from one 32-byte record); zeros where not valid."""
-    rec = tasks_ptr + (item // NUM_KV_HEADS).to(tl.int64) * 8
+def _load_task(tasks_ptr, record, valid):
+    """Task record -> (row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, next)
+    (independent loads from one 32-byte record); zeros where not valid."""
+    rec = tasks_ptr + record.to(tl.int64) * 8
     return (tl.load(rec, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
             tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
             tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
-            tl.load(rec + 6, mask=valid, other=0))
+            tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=-1))
 
 
 @triton.jit
@@ -195,31 +196,47 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
 
     tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
-    the task count at 0 and the claim counter at 3. Items are (task, KV head) pairs, item =
-    task * NUM_KV_HEADS + kv_head. Grid: (programs,), persistent: program p runs item p. When the
-    step has more items than programs, each program then claims item programs + c, c = 0, 1, ...
-    from the counter (one claim per item run, issued before the item and read after it, so that
-    its latency hides behind it; the claim that draws the last value resets the counter for the
-    next launch); a step of one round claims nothing. counters: int32 [task capacity, NUM_KV_HEADS], by
-    partial slot (_merge_split), zero between launches (the merging tasks reset their own).
+    the task count at 0, the claim counter at 3 and a balanced plan's chunk count at 5. Items
+    are (task, KV head) pairs, item = task * NUM_KV_HEADS + kv_head. Grid: (programs,),
+    persistent: program p runs item p, that is record p // NUM_KV_HEADS for head
+    p % NUM_KV_HEADS, then, in a balanced plan, the records its `next` fields link (the rest of
+    that chunk). A split or grouped step with more items than programs is claimed instead: each
+    program then claims item programs + c, c = 0, 1, ... from the counter (one claim per item
+    run, issued before the item and read after it, so that its latency hides behind it; the
+    claim that draws the last value resets the counter for the next launch). counters: int32
+    [task capacity, NUM_KV_HEADS], by partial slot (_merge_split), zero between launches (the
+    merging tasks reset their own).
     """
     programs = tl.num_programs(0)
     item = tl.program_id(0)
+    kv_head = item % NUM_KV_HEADS
     # the first task record loads beside the task count, not after it
-    row, split, tok_lo, tok_hi, page_start, slot_start, num_splits = _load_task(
-        tasks_ptr, item, True, NUM_KV_HEADS)
+    row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
+        tasks_ptr, item // NUM_KV_HEADS, True)
     num_items = tl.load(info_ptr) * NUM_KV_HEADS
-    # One round (no more items than programs) is straight-line code, without the loop's claims:
-    # measured 0.6-1.0 us faster per launch on small steps than the loop run once.
-    if num_items <= programs:
-        if item < num_items:
-            _decode_task(row, item % NUM_KV_HEADS, split, tok_lo, tok_hi, page_start, slot_start,
+    chained = tl.load(info_ptr + 5) * NUM_KV_HEADS
+    if (chained > 0) | (num_items <= programs):
+        # One round: each program its item and, in a balanced plan, the rest of its chunk; no
+        # claims. The first item is straight-line code: measured 0.6-1.0 us faster per launch on
+        # small steps than a loop run once.
+        if item < tl.where(chained > 0, chained, num_items):
+            _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
                          num_splits, q_ptr, k_ptr, v_ptr, indices_ptr,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                          NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                          G_MERGE, RETURN_LSE, UPCAST)
+            while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
+                row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
+                    tasks_ptr, nxt, True)
+                _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
+                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+                             stride_qb, stride_qh, stride_ob, stride_oh,
+                             stride_page, stride_head, stride_tok, stride_kv, scale_log2,
+                             NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                             G_MERGE, RETURN_LSE, UPCAST)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
@@ -233,8 +250,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
-            row, split, tok_lo, tok_hi, page_start, slot_start, num_splits = _load_task(
-                tasks_ptr, item, item < num_items, NUM_KV_HEADS)
+            row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
+                tasks_ptr, item // NUM_KV_HEADS, item < num_items)
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,

@@ -9,17 +9,18 @@ import triton
 import triton.language as tl
 
 TASK_FIELDS = 8   # int32 per task record: (row, split, tok_lo, tok_hi, page_start, slot_start,
-                  # num_splits, unused)
+                  # num_splits, next task of the same chunk or -1)
 INFO_FIELDS = 8   # int32 plan info: (task count, split tokens, choice code, claim counter,
-                  # tasks that did not fit, unused...)
+                  # tasks that did not fit, chunks of a balanced plan (0: none), unused...)
+BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
 POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 
 
 @triton.jit
 def _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
                 whole_row_min_rows, whole_row_slack, one_round_slack,
-                PAGE_SIZE: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr, MIN_ROUNDS: tl.constexpr):
-    """The default split size in tokens (schedule.py describes the rule)."""
+                PAGE_SIZE: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr):
+    """The split rule's split size in tokens (schedule.py describes the rule)."""
     split = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks).to(tl.int32))
     if (active_rows >= whole_row_min_rows) & (max_len.to(tl.float32)
                                               <= whole_row_slack * split.to(tl.float32)):
@@ -37,14 +38,6 @@ def _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_token
             count = tl.sum(tl.cdiv(lens, split), axis=0)
         if (count > target_tasks) | (split.to(tl.float32) > one_round_slack * balanced.to(tl.float32)):
             split = balanced
-    # More than one round of tasks, the last one less than 90% full: at least MIN_ROUNDS rounds,
-    # so that the idle part of the last one is a small part of the step.
-    count = tl.sum(tl.cdiv(lens, split), axis=0)
-    rounds = tl.cdiv(count, target_tasks)
-    few = (count > target_tasks) & (count < MIN_ROUNDS * target_tasks) & (
-        count * 10 < rounds * target_tasks * 9)
-    smaller = tl.maximum(tl.cdiv(split * count, MIN_ROUNDS * target_tasks), min_split_tokens)
-    split = tl.where(few, tl.maximum(tl.cdiv(smaller, PAGE_SIZE), 1) * PAGE_SIZE, split)
     row_splits = tl.maximum(tl.cdiv(lens, split), 1)   # even splits: fewest pages, same counts
     even = tl.max(tl.cdiv(lens, row_splits), axis=0)
     return tl.maximum(tl.cdiv(even, PAGE_SIZE), 1) * PAGE_SIZE
@@ -80,29 +73,63 @@ def _write_tasks(tasks_ptr, row, seq_len, num_splits, first_full, last_at, page_
         record = tl.where(fields == 4, page_start, record)
         record = tl.where(fields == 5, slot_start, record)
         record = tl.where(fields == 6, num_splits, record)
-        record = tl.where(fields == 7, 0, record)
+        record = tl.where(fields == 7, -1, record)
         tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record, mask=(j < num_splits) & fits)
 
 
+@triton.jit
+def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pages, first_chunk,
+                         chunk, total_pages, cont_at, next_cont_at, mid, page_start, slot_start,
+                         fits, PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """Row `row`'s tasks of a balanced plan: its pages [row_off, row_off + row_pages) of the
+    step's page stream, cut at multiples of `chunk` pages. Segment j lies in chunk
+    first_chunk + j; the task that starts a chunk is record c, a row's first segment that starts
+    inside a chunk is the continuation record cont_at; the row's last segment links to the next
+    row's continuation (next_cont_at) when that row starts inside the same chunk."""
+    fields = tl.arange(0, 8)[None, :]
+    row_end = row_off + row_pages
+    for s in tl.range(0, num_segments, BLOCK_SPLITS):
+        j = s + tl.arange(0, BLOCK_SPLITS)[:, None]                                # [S, 1]
+        c = first_chunk + j
+        lo = tl.maximum(row_off, c * chunk) - row_off
+        hi = tl.minimum(row_end, (c + 1) * chunk) - row_off
+        at = tl.where((j == 0) & mid, cont_at, c)
+        linked = (j == num_segments - 1) & (row_end % chunk != 0) & (row_end < total_pages)
+        record = tl.where(fields == 0, row, j)
+        record = tl.where(fields == 2, lo * PAGE_SIZE, record)
+        record = tl.where(fields == 3, tl.minimum(hi * PAGE_SIZE, seq_len), record)
+        record = tl.where(fields == 4, page_start, record)
+        record = tl.where(fields == 5, slot_start, record)
+        record = tl.where(fields == 6, num_segments, record)
+        record = tl.where(fields == 7, tl.where(linked, next_cont_at, -1), record)
+        tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record, mask=(j < num_segments) & fits)
+
+
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
-                               "task_capacity", "choice", "target_tasks", "min_split_tokens",
+                               "task_capacity", "choice", "target_tasks", "chunk_target",
+                               "min_split_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins"])
 def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
                 block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, task_capacity,
-                choice, target_tasks, min_split_tokens, whole_row_min_rows,
+                choice, target_tasks, chunk_target, min_split_tokens, whole_row_min_rows,
                 whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
-                MIN_ROUNDS: tl.constexpr, EDGES: tl.constexpr):
+                EDGES: tl.constexpr):
     """Program b writes row b's tasks; program 0 also writes the plan info.
 
     Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
     pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
     Lengths are clamped to what the table holds, so a bad table cannot send a read past it.
-    Choice code (POLICY: from the decision table, else `choice`): -1 whole rows, 0 the default
-    split rule, n > 0 splits of n pages. Task order: every row's splits but its last (all of the
-    split size) in row order, then the rows' last splits, longest first. A step whose tasks do not
-    fit in task_capacity plans no task and reports their count in info[4].
+    Choice code (POLICY: from the decision table, else `choice`): -2 balanced chunks of about
+    total / chunk_target pages, -1 whole rows, n > 0 splits of n pages, 0 the default rule: the
+    split rule's splits when their tasks fit in target_tasks, else balanced chunks (info[2] says
+    which: 0 or -2).
+    Task order (split and grouped): every row's splits but its last (all of the split size) in
+    row order, then the rows' last splits, longest first; each record's `next` is -1. Balanced:
+    record c < info[5] starts chunk c, and each record's `next` links the chunk's further tasks.
+    A step whose tasks do not fit in task_capacity plans no task and reports their count in
+    info[4].
     Grid: (BLOCK_ROWS,): programs past num_rows write nothing.
     """
     row = tl.program_id(0)
@@ -129,10 +156,70 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
         code = choice
     split = _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
                         whole_row_min_rows, whole_row_slack, one_round_slack, PAGE_SIZE,
-                        ONE_ROUND_STEPS, MIN_ROUNDS)
+                        ONE_ROUND_STEPS)
     split = tl.where(code > 0, code * PAGE_SIZE, split)
     split = tl.where(code < 0, tl.maximum(tl.cdiv(max_len, PAGE_SIZE), 1) * PAGE_SIZE, split)
+    # the default rule: the split rule's tasks when they fit in one round, else balanced chunks
+    over = tl.sum(tl.where(active, tl.cdiv(lens, split), 0), axis=0) > target_tasks
+    code = tl.where((code == 0) & over, BALANCED, code)
+    mine = offs == row
+    my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
+    my_start = tl.sum(tl.where(mine, lo, 0), axis=0)
+    if code == BALANCED:
+        num_tasks, split, num_chunks, fits = _plan_balanced(
+            tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity, chunk_target,
+            min_split_tokens, PAGE_SIZE, BLOCK_SPLITS)
+    else:
+        num_tasks, fits = _plan_splits(tasks_ptr, lens, active, mine, row, my_len, my_start, split,
+                                       task_capacity, BLOCK_ROWS, BLOCK_SPLITS)
+        num_chunks = num_tasks * 0
+    if row == 0:
+        tl.store(info_ptr, tl.where(fits, num_tasks, 0))
+        tl.store(info_ptr + 1, split)
+        tl.store(info_ptr + 2, code)
+        tl.store(info_ptr + 3, 0)                        # the decode kernel's claim counter
+        tl.store(info_ptr + 4, tl.where(fits, 0, num_tasks))
+        tl.store(info_ptr + 5, tl.where(fits, num_chunks, 0))
 
+
+@triton.jit
+def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity,
+                   chunk_target, min_split_tokens, PAGE_SIZE: tl.constexpr,
+                   BLOCK_SPLITS: tl.constexpr):
+    """The balanced rule (schedule.py): the rows' pages end to end, in chunks of
+    max(min_split_tokens, total / chunk_target) pages. Returns (tasks, chunk tokens, chunks,
+    whether the tasks fit)."""
+    pages = tl.where(active, tl.cdiv(lens, PAGE_SIZE), 0)
+    total_pages = tl.sum(pages, axis=0)
+    chunk = tl.maximum(tl.cdiv(tl.maximum(min_split_tokens, 1), PAGE_SIZE),
+                       tl.cdiv(total_pages, chunk_target))
+    off = tl.cumsum(pages, axis=0) - pages
+    first_chunk = off // chunk
+    segments = tl.where(active, (off + pages - 1) // chunk - first_chunk + 1, 0)
+    base = tl.cumsum(segments, axis=0) - segments
+    mid = active & (off % chunk != 0)                  # starts inside a chunk: a continuation
+    mids_through = tl.cumsum(mid.to(tl.int32), axis=0)
+    num_tasks = tl.sum(segments, axis=0)
+    num_chunks = tl.cdiv(total_pages, chunk)
+    fits = num_tasks <= task_capacity
+    my_segments = tl.sum(tl.where(mine, segments, 0), axis=0)
+    my_mid = tl.sum(tl.where(mine, mid.to(tl.int32), 0), axis=0) > 0
+    my_mids = tl.sum(tl.where(mine, mids_through, 0), axis=0)
+    my_slot = tl.where(my_segments > 1, tl.sum(tl.where(mine, base, 0), axis=0), -1)
+    _write_chunked_tasks(tasks_ptr, row, my_len, my_segments, tl.sum(tl.where(mine, off, 0), axis=0),
+                         tl.sum(tl.where(mine, pages, 0), axis=0),
+                         tl.sum(tl.where(mine, first_chunk, 0), axis=0), chunk, total_pages,
+                         num_chunks + my_mids - my_mid.to(tl.int32), num_chunks + my_mids, my_mid,
+                         my_start, my_slot, fits, PAGE_SIZE, BLOCK_SPLITS)
+    return num_tasks, chunk * PAGE_SIZE, num_chunks, fits
+
+
+@triton.jit
+def _plan_splits(tasks_ptr, lens, active, mine, row, my_len, my_start, split, task_capacity,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+    """Splits of `split` tokens: every row's splits but its last in row order, then the rows' last
+    splits, longest first. Returns (tasks, whether they fit)."""
+    offs = tl.arange(0, BLOCK_ROWS)
     splits = tl.where(active, tl.cdiv(lens, split), 0)                          # [BLOCK_ROWS]
     num_tasks = tl.sum(splits, axis=0)
     fits = num_tasks <= task_capacity
@@ -142,21 +229,13 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     multi = tl.where(splits > 1, splits, 0)
     first_slot = tl.cumsum(multi, axis=0) - multi
 
-    mine = offs == row
-    my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
     my_splits = tl.sum(tl.where(mine, splits, 0), axis=0)
     my_first = tl.sum(tl.where(mine, first_full, 0), axis=0)
     my_last = tl.sum(tl.where(mine, last_len, 0), axis=0)
     my_slot = tl.where(my_splits > 1, tl.sum(tl.where(mine, first_slot, 0), axis=0), -1)
-    my_start = tl.sum(tl.where(mine, lo, 0), axis=0)
     longer = active & ((last_len > my_last) | ((last_len == my_last) & (offs < row)))
     last_at = tl.sum(full, axis=0) + tl.sum(longer.to(tl.int32), axis=0)
 
     _write_tasks(tasks_ptr, row, my_len, my_splits, my_first, last_at, my_start, my_slot, split,
                  fits, BLOCK_SPLITS)
-    if row == 0:
-        tl.store(info_ptr, tl.where(fits, num_tasks, 0))
-        tl.store(info_ptr + 1, split)
-        tl.store(info_ptr + 2, code)
-        tl.store(info_ptr + 3, 0)                        # the decode kernel's claim counter
-        tl.store(info_ptr + 4, tl.where(fits, 0, num_tasks))
+    return num_tasks, fits
