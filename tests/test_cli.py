@@ -18,12 +18,15 @@ from persistentkv.cli import main
     (["bench", "--backends", "pkv-split:warps0"],
      "KernelConfig.num_warps must be a positive int, got 0"),
     (["calibrate", "--candidates", "pkv-split,pkv-auto,fi-xqa"],
-     "candidates must be pkv-grouped, pkv-split or pkv-split@N, got ['pkv-auto', 'fi-xqa']"),
+     "candidates must be pkv-grouped, pkv-split, pkv-balanced or pkv-split@N, got "
+     "['pkv-auto', 'fi-xqa']"),
     (["evaluate", "--backends", "pkv-split@x"], "unknown backend(s) ['pkv-split@x']"),
     (["bench", "--grid", "--cells", "B1 L1K,B3 L7K"], "unknown grid cell(s) ['B3 L7K']"),
     (["bench", "--cells", "B1 L1K"], "add --grid"),
     (["bench", "--preset", "llama3-70b-tp8", "--num-kv-heads", "2"],
      "--preset llama3-70b-tp8 sets the heads and head dim; drop ['--num-kv-heads']"),
+    (["calibrate", "--preset", "llama3-8b,gpt-oss"],
+     "persistentkv calibrate takes one --preset, got llama3-8b,gpt-oss"),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2
@@ -70,6 +73,23 @@ def test_parser_does_not_import_triton():
     code = ("import sys, persistentkv.cli as c; c.build_parser(); "
             "sys.exit(1 if 'triton' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_preset_lists(capsys, tmp_path):
+    """--preset takes a comma list (bench and evaluate run each, one results file per preset);
+    an unknown name is an argparse error naming it."""
+    from persistentkv.cli import build_parser, model_shapes
+
+    args = build_parser().parse_args(["bench", "--preset", "llama3-70b-tp8,gemma2-9b"])
+    assert [(p, s.num_kv_heads, s.head_dim) for p, s in model_shapes(args)] == [
+        ("llama3-70b-tp8", 1, 128), ("gemma2-9b", 8, 256)]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--preset", "llama3-8b,llama5"])
+    assert "unknown preset(s) ['llama5']" in capsys.readouterr().err
+    assert main(["bench", "--grid", "--preset", "llama3-8b,qwen2.5-7b", "--backends",
+                 "pkv-split", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["llama3-8b.json",
+                                                               "qwen2.5-7b.json"]
 
 
 def test_presets_give_the_model_shapes():

@@ -8,7 +8,7 @@ import torch
 from paged_case import block_kwargs, csr_kwargs, make_case
 from persistentkv import TOLERANCE, DecodeWrapper, reference_decode, relative_error
 from persistentkv.policy import (EDGES, Choice, Policy, StepFeatures, bin_of, fallback_choice,
-                                 fit_policy, load_policy, parse_choice)
+                                 fit_policy, load_policy, parse_choice, policy_file_name)
 
 FEATS = dict(num_kv_heads=8, head_dim=128, elem_size=2)
 SPLIT, SPLIT16, GROUPED = Choice("split"), Choice("split", 16), Choice("grouped")
@@ -108,6 +108,23 @@ def test_json_round_trip_and_bad_files(tmp_path):
             load_policy("X", path)
     assert parse_choice("split@16") == SPLIT16 and parse_choice("grouped") == GROUPED
     assert parse_choice(str(Choice("split", 3))) == Choice("split", 3)
+
+
+def test_a_policy_shipped_for_the_shape_comes_first(tmp_path, monkeypatch):
+    """plan() takes the file fitted at its shape (Hq, Hkv, head_dim), else the GPU's general one."""
+    import persistentkv.policy as policy_module
+
+    (tmp_path / "policies").mkdir()
+    general = Policy(gpu="Test GPU", table={"r0-l0-s0": SPLIT16}, shape=(32, 8, 128))
+    shaped = Policy(gpu="Test GPU", table={"r0-l0-s0": Choice("balanced")}, shape=(8, 1, 128))
+    general.save(tmp_path / "policies" / policy_file_name("Test GPU"))
+    shaped.save(tmp_path / "policies" / policy_file_name("Test GPU", (8, 1, 128)))
+    assert policy_file_name("Test GPU", (8, 1, 128)) == "test-gpu-8-1-128.json"
+    monkeypatch.setattr(policy_module.resources, "files", lambda package: tmp_path)
+    assert load_policy("Test GPU", shape=(8, 1, 128)).table == shaped.table
+    assert load_policy("Test GPU", shape=(28, 4, 128)).table == general.table
+    assert load_policy("Test GPU").shape == (32, 8, 128)
+    assert load_policy("Other GPU", shape=(8, 1, 128)).table == {}
 
 
 def test_unknown_gpu_gets_the_fallback_rule():

@@ -28,29 +28,61 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(device=device, seed=args.seed)
 
 
-def model_shape(args: argparse.Namespace):
-    """The ModelShape of the shape options (add_shape_arguments)."""
+def model_shapes(args: argparse.Namespace) -> list:
+    """[(preset or None, ModelShape)] of the shape options (add_shape_arguments): one per preset
+    of --preset NAME[,NAME...], or the one the head flags give."""
     import torch
 
     from .bench.runner import ModelShape
 
-    if args.preset is not None:
+    presets = args.preset or [None]
+    if args.preset:
         given = [f"--{k.replace('_', '-')}" for k in ("num_qo_heads", "num_kv_heads", "head_dim")
                  if getattr(args, k) is not None]
         if given:
-            raise ValueError(f"--preset {args.preset} sets the heads and head dim; drop {given}")
+            raise ValueError(f"--preset {','.join(args.preset)} sets the heads and head dim; "
+                             f"drop {given}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    return ModelShape.of(args.preset, num_qo_heads=args.num_qo_heads,
-                         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                         page_size=args.page_size, dtype=dtype, layout=args.layout)
+    return [(preset, ModelShape.of(preset, num_qo_heads=args.num_qo_heads,
+                                   num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                                   page_size=args.page_size, dtype=dtype, layout=args.layout))
+            for preset in presets]
+
+
+def model_shape(args: argparse.Namespace):
+    """The one ModelShape of the shape options, for the commands that take one shape."""
+    shapes = model_shapes(args)
+    if len(shapes) > 1:
+        raise ValueError(f"persistentkv {args.command} takes one --preset, got "
+                         f"{','.join(args.preset)}")
+    return shapes[0][1]
+
+
+def _tag_for(args: argparse.Namespace, preset: str | None, shapes: list) -> str | None:
+    """A results file's stem: --tag, or per preset when there are several (tag-preset)."""
+    if len(shapes) == 1:
+        return args.tag
+    return f"{args.tag}-{preset}" if args.tag else preset
+
+
+def _preset_list(text: str) -> list[str]:
+    from .bench.runner import MODEL_PRESETS   # (no triton)
+
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in MODEL_PRESETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown preset(s) {unknown or [text]}; choose from "
+                                         f"{', '.join(MODEL_PRESETS)}")
+    return names
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench.runner import MODEL_PRESETS   # (no triton)
 
-    parser.add_argument("--preset", choices=list(MODEL_PRESETS),
-                        help="a model's Hq/Hkv/head_dim: " + ", ".join(
-                            f"{k} {'/'.join(map(str, v))}" for k, v in MODEL_PRESETS.items()))
+    parser.add_argument("--preset", type=_preset_list, metavar="NAME[,NAME...]",
+                        help="model shapes (Hq/Hkv/head_dim; bench and evaluate take several): "
+                             + ", ".join(f"{k} {'/'.join(map(str, v))}"
+                                         for k, v in MODEL_PRESETS.items()))
     parser.add_argument("--num-qo-heads", type=int, help="default 32")
     parser.add_argument("--num-kv-heads", type=int, help="default 8")
     parser.add_argument("--head-dim", type=int, help="default 128")
@@ -66,14 +98,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.runner import RunOptions
     from .bench.suite import run_bench
 
-    shape = model_shape(args)
+    shapes = model_shapes(args)
     opts = RunOptions(layers=args.layers, samples=args.samples, seed=args.seed,
                       memory_budget_gb=args.memory_gb)
-    return run_bench(device=torch.device(device), grid=args.grid,
-                     cells=args.cells.split(",") if args.cells else None, traces=args.traces.split(",") if args.traces else None,
-                     trace_file=args.trace_file, batch_slots=args.batch_slots,
-                     backends=args.backends.split(","), shape=shape, opts=opts,
-                     out_dir=Path(args.out), tag=args.tag)
+    status = 0
+    for preset, shape in shapes:
+        status = max(status, run_bench(
+            device=torch.device(device), grid=args.grid,
+            cells=args.cells.split(",") if args.cells else None,
+            traces=args.traces.split(",") if args.traces else None, trace_file=args.trace_file,
+            batch_slots=args.batch_slots, backends=args.backends.split(","), shape=shape,
+            opts=opts, out_dir=Path(args.out), tag=_tag_for(args, preset, shapes)))
+    return status
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -123,12 +159,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .policy import load_policy
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    policy = load_policy(name, args.policy)
-    run_evaluate(device=torch.device(device), policy=policy, seeds=_ints(args.seeds),
-                 backends=args.backends.split(","), shape=model_shape(args),
-                 opts=RunOptions(layers=args.layers, samples=args.samples,
-                                 eager_reps=args.eager_reps), out_dir=Path(args.out),
-                 tag=args.tag)
+    shapes = model_shapes(args)
+    for preset, shape in shapes:
+        policy = load_policy(name, args.policy,
+                             shape=(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim))
+        run_evaluate(device=torch.device(device), policy=policy, seeds=_ints(args.seeds),
+                     backends=args.backends.split(","), shape=shape,
+                     opts=RunOptions(layers=args.layers, samples=args.samples,
+                                     eager_reps=args.eager_reps), out_dir=Path(args.out),
+                     tag=_tag_for(args, preset, shapes))
     return 0
 
 
@@ -190,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "calibration traces")
     calibrate.add_argument("--seeds", default=",".join(map(str, CALIBRATION_SEEDS)))
     calibrate.add_argument("--candidates", default=",".join(CANDIDATES),
-                           help="our fixed choices: pkv-grouped, pkv-split, pkv-split@N")
+                           help="our fixed choices: pkv-grouped, pkv-split, pkv-balanced, "
+                                "pkv-split@N")
     calibrate.add_argument("--objective", choices=["graph_us", "eager_us"], default="graph_us")
     calibrate.add_argument("--from-results", nargs="*", default=[],
                            help="refit from `persistentkv bench` JSON files instead of measuring")

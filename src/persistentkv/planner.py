@@ -133,6 +133,7 @@ class Planner:
         self.workspace: Workspace | None = None
         self._launcher = Launcher(plan_kernel)
         self._policy_tensors: dict = {}
+        self._shipped: dict = {}           # (GPU name, (Hq, Hkv, head_dim)) -> shipped policy
         self._setups: dict = {}            # (options, device) -> _setup(...)
         self._bound: dict = {}             # planner launches by options, table form, workspace
         # the last plan: (tensors, shapes, options, plan, planner launch, its leading tensors)
@@ -219,11 +220,13 @@ class Planner:
         chunks = chunks_per_head(programs=cfg.programs_per_sm * sms,
                                  num_kv_heads=options.num_kv_heads)
         choice = options.choice
-        if choice is None and not self._policy(device).applies_to(
+        policy = self.policy_for(device, (options.num_qo_heads, options.num_kv_heads,
+                                          options.head_dim))
+        if choice is None and not policy.applies_to(
                 num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
                 head_dim=options.head_dim):
             choice = fallback_choice()
-        dense = None if choice is not None else self._policy(device).dense_codes()
+        dense = None if choice is not None else policy.dense_codes()
         codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
         fixed_tail = (choice.code() if dense is None else 0, target, chunks, cfg.min_split_tokens,
@@ -245,11 +248,14 @@ class Planner:
                                    constexprs=constexprs, num_warps=4, num_stages=2,
                                    device_index=table.device.index)
 
-    def _policy(self, device: torch.device) -> Policy:
-        if self.policy is None:
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            self.policy = load_policy(name)
-        return self.policy
+    def policy_for(self, device: torch.device, shape: tuple[int, int, int]) -> Policy:
+        """The policy given, else the one shipped for the GPU at shape (Hq, Hkv, head_dim)."""
+        if self.policy is not None:
+            return self.policy
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        if (name, shape) not in self._shipped:
+            self._shipped[name, shape] = load_policy(name, shape=shape)
+        return self._shipped[name, shape]
 
     def _device_table(self, device: torch.device, codes: list[int] | None):
         """The policy's bin edges (float64 [3, POLICY_EDGES], padded with +inf) and dense choice

@@ -128,19 +128,24 @@ def parse_choice(text: str) -> Choice:
     return Choice(schedule, int(pages) if pages else None)
 
 
-def policy_file_name(gpu_name: str) -> str:
-    """'NVIDIA H200' -> 'nvidia-h200.json'."""
-    return "-".join(gpu_name.lower().split()) + ".json"
+def policy_file_name(gpu_name: str, shape: tuple[int, int, int] | None = None) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200.json'; at shape (Hq, Hkv, head_dim) = (8, 1, 128):
+    'nvidia-h200-8-1-128.json'."""
+    stem = "-".join(gpu_name.lower().split())
+    return stem + "".join(f"-{n}" for n in shape or ()) + ".json"
 
 
-def load_policy(gpu_name: str, path: str | Path | None = None) -> Policy:
-    """The fitted policy shipped for `gpu_name` (or the file at `path`); the fallback-only policy
-    when there is none."""
+def load_policy(gpu_name: str, path: str | Path | None = None, *,
+                shape: tuple[int, int, int] | None = None) -> Policy:
+    """The fitted policy at `path`, or the one shipped for `gpu_name`: the file fitted at `shape`
+    (Hq, Hkv, head_dim) when there is one, else the GPU's general file (which applies at the
+    shape it names, Policy.shape); the fallback-only policy when there is none."""
     if path is not None:
         return Policy.from_json(Path(path).read_text())
-    shipped = resources.files("persistentkv") / "policies" / policy_file_name(gpu_name)
-    if shipped.is_file():
-        return Policy.from_json(shipped.read_text())
+    shipped = resources.files("persistentkv") / "policies"
+    for name in ([policy_file_name(gpu_name, shape)] if shape else []) + [policy_file_name(gpu_name)]:
+        if (shipped / name).is_file():
+            return Policy.from_json((shipped / name).read_text())
     return Policy(gpu=gpu_name, fit={"note": "no fitted policy for this GPU: fallback rule"})
 
 

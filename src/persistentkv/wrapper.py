@@ -67,7 +67,13 @@ class DecodeWrapper:
 
     @property
     def policy(self) -> Policy | None:
-        return self._planner.policy
+        """The policy given, else the one shipped for the GPU at the last plan's shape (None
+        before a plan)."""
+        plan = self._plan
+        if plan is None:
+            return self._planner.policy
+        return self._planner.policy_for(plan.indices.device,
+                                        (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim))
 
     @property
     def current_plan(self) -> DecodePlan:

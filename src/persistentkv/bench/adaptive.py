@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..policy import Policy, bin_of, fit_policy
+from ..policy import Policy, bin_of, fit_policy, policy_file_name
 from ..schedule import Choice
 from .backends import _pkv_variant, make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
@@ -22,8 +22,8 @@ from .traces import make_trace
 
 # The choices calibrate measures (ours, fixed; each one a schedule.Choice), and the trace seeds
 # the policy is fitted on and judged on (never seen in the fit).
-CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-split@8", "pkv-split@16", "pkv-split@32",
-              "pkv-split@64", "pkv-split@128")
+CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-balanced", "pkv-split@8", "pkv-split@16",
+              "pkv-split@32", "pkv-split@64", "pkv-split@128")
 CALIBRATION_SEEDS = (1, 2)
 HELD_OUT_SEEDS = (100,)
 AUTO = "pkv-auto"   # the policy on the device: what evaluate judges
@@ -98,8 +98,8 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     else:
         wrong = [c for c in candidates if candidate_choice(c) is None]
         if wrong or not candidates:
-            raise ValueError(f"candidates must be pkv-grouped, pkv-split or pkv-split@N, got "
-                             f"{wrong or list(candidates)}")
+            raise ValueError(f"candidates must be pkv-grouped, pkv-split, pkv-balanced or "
+                             f"pkv-split@N, got {wrong or list(candidates)}")
         if functional:
             print("No GPU: a functional calibration through Triton's interpreter; the fitted "
                   "policy means nothing.")
@@ -123,7 +123,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     steps = calibration_steps(measured)
     if not steps:   # measurements read back, of other backends only
         raise ValueError(f"from_results={[str(p) for p in from_results]} holds no step of a "
-                         f"candidate (pkv-grouped, pkv-split, pkv-split@N)")
+                         f"candidate (pkv-grouped, pkv-split, pkv-balanced, pkv-split@N)")
     policy = fit_policy(steps, gpu=gpu, objective="eager_us" if functional else objective,
                         shape=(fitted.num_qo_heads, fitted.num_kv_heads, fitted.head_dim),
                         info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
@@ -131,7 +131,8 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     policy.save(out_path)
     for key, choice in sorted(policy.table.items()):
         print(f"  {key}: {choice}")
-    print(f"wrote {out_path}")
+    print(f"wrote {out_path} (plan() loads it for this GPU and shape when shipped as "
+          f"src/persistentkv/policies/{policy_file_name(gpu, policy.shape)})")
     return policy
 
 
