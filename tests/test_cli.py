@@ -27,6 +27,12 @@ from persistentkv.cli import main
      "--preset llama3-70b-tp8 sets the heads and head dim; drop ['--num-kv-heads']"),
     (["calibrate", "--preset", "llama3-8b,gpt-oss"],
      "persistentkv calibrate takes one --preset, got llama3-8b,gpt-oss"),
+    # checked on a CPU machine too, where the functional run takes its own small shape
+    (["bench", "--traces", "nosuch"], "unknown trace(s) ['nosuch']"),
+    (["bench", "--head-dim", "100"], "head_dim must be a multiple of 16 up to 256, got 100"),
+    (["bench", "--page-size", "0"], "page_size must be >= 1, got 0"),
+    (["evaluate", "--num-qo-heads", "12", "--num-kv-heads", "8"],
+     "num_qo_heads=12 must be a multiple of num_kv_heads=8"),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2
@@ -90,6 +96,19 @@ def test_preset_lists(capsys, tmp_path):
                  "pkv-split", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["llama3-8b.json",
                                                                "qwen2.5-7b.json"]
+    printed = capsys.readouterr().out
+    assert "nan" not in printed.lower() and "TB/s" not in printed   # nothing a CPU run cannot say
+
+
+def test_out_naming_a_file_is_refused_before_the_run(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    for argv in (["bench", "--out", str(tmp_path / "taken")],
+                 ["evaluate", "--out", str(tmp_path / "taken")],
+                 ["calibrate", "--out", str(tmp_path / "taken" / "policy.json")],
+                 ["calibrate", "--out", str(tmp_path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "is a file" in err or "is a folder" in err, (argv, err)
 
 
 def test_presets_give_the_model_shapes():

@@ -146,3 +146,72 @@ def test_deterministic_auto_stays_batch_invariant():
     part = _run(case, _subtable(case.table, [2, 0]), case.q[[2, 0]], "auto", deterministic=True)
     assert torch.equal(part, full[[2, 0]])
     assert torch.equal(full, _run(case, case.table, case.q, "split", deterministic=True))
+
+
+def _small_cache(**kw):
+    from persistentkv import PagedKVCache
+    return PagedKVCache(num_layers=2, num_pages=4, page_size=4, num_kv_heads=1, head_dim=16,
+                        init="zeros", **kw)
+
+
+def test_counts_take_numpy_integers():
+    cache = _small_cache()
+    cache.add_sequence(0)
+    cache.append_tokens(0, np.int64(3))
+    assert cache.seq_len(0) == 3
+    for bad, error in ((2.0, TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="num_tokens"):
+            cache.append_tokens(0, bad)
+    assert cache.seq_len(0) == 3
+
+
+def test_a_failed_append_changes_nothing(monkeypatch):
+    """Bad k or v (numpy, the meta device, a wrong shape) or a write that fails: the sequence
+    keeps its length and pages, the free list its order, the pools their values."""
+    cache = _small_cache()
+    cache.add_sequence(0)
+    k = torch.ones(2, 3, 1, 16, dtype=torch.float16)
+    free_before = list(cache.allocator._free)
+    for bad, error, match in ((k.numpy(), TypeError, "k must be a torch.Tensor, got ndarray"),
+                              (k.to("meta"), ValueError, "k is on the meta device"),
+                              (k[:, :, :, :8], ValueError, r"k must be \[num_layers")):
+        with pytest.raises(error, match=match):
+            cache.append(0, bad, k)
+    def broken_write(*args):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(cache, "_write", broken_write)
+    with pytest.raises(RuntimeError, match="device lost"):
+        cache.append(0, k, k)
+    assert cache.seq_len(0) == 0 and cache.allocator.sequence(0).pages == []
+    assert cache.allocator._free == free_before
+    assert all((pool == 0).all() for pool in cache.pools)
+
+
+def test_write_slots_checks_every_index_first():
+    cache = _small_cache()
+    k = torch.ones(2, 3, 1, 16, dtype=torch.float16)
+    for pages, slots, match in (([0, 9, 1], [0, 1, 2], r"pages\[1\]=9 is outside \[0, 4\)"),
+                                ([0, 1, 2], [0, 4, 1], r"slots\[1\]=4 is outside \[0, 4\)"),
+                                ([0, 1], [0, 1, 2], "pages must be 3 integers"),
+                                ([0.0, 1.0, 2.0], [0, 1, 2], "pages must be 3 integers")):
+        with pytest.raises(ValueError, match=match):
+            cache.write_slots(np.asarray(pages), np.asarray(slots), k, k)
+    assert all((pool == 0).all() for pool in cache.pools)
+    cache.write_slots(torch.tensor([0, 1, 3]), [0, 1, 3], k, k)
+    assert cache.pools[1][3, 1].float().sum() == 16
+
+
+@pytest.mark.parametrize("form", ["csr", "block"])
+def test_a_page_table_on_the_meta_device_is_refused(form):
+    case = make_case(seq_lens=[20, 40], **HEADS)
+    if form == "csr":
+        kwargs = {**csr_kwargs(case.table)}
+        kwargs["kv_indices"] = kwargs["kv_indices"].to("meta")
+        name = "kv_indices"
+    else:
+        from paged_case import block_kwargs
+        kwargs = {**block_kwargs(case.table)}
+        kwargs["block_table"] = kwargs["block_table"].to("meta")
+        name = "block_table"
+    with pytest.raises(ValueError, match=f"{name} is on meta"):
+        DecodeWrapper("NHD").plan(**kwargs, **HEADS, check_page_table=True)

@@ -254,6 +254,12 @@ def test_read_trace_csv_errors(tmp_path, text, match):
     ('{"context_len": true, "output_len": 2}', "t.jsonl line 3: context_len .* got True"),
     ('{"context_len": 4, "output_len": 2', "t.jsonl line 3: not valid JSON"),
     ('[4, 2]', "t.jsonl line 3: expected a JSON object"),
+    ('{"context_len": 1000000000000, "output_len": 2}',
+     "t.jsonl line 3: context_len must be <= 4194304, got 1000000000000"),
+    ('{"context_len": 5, "output_len": 100000000}', "t.jsonl line 3: output_len must be <= 131072"),
+    ('{"context_len": 5, "output_len": 2, "arrival_step": 1e12}', "t.jsonl line 3: arrival_step"),
+    ('{"context_len": 5, "output_len": 2, "arrival_step": 1000000000000}',
+     "t.jsonl line 3: arrival_step must be <= 1048576"),
 ])
 def test_read_trace_jsonl_errors(tmp_path, line, match):
     p = tmp_path / "t.jsonl"
@@ -271,3 +277,18 @@ def test_read_trace_bad_extension_and_empty(tmp_path):
     p.write_text("\n  \n")
     with pytest.raises(ValueError, match="e.jsonl: no requests"):
         read_trace(p, batch_slots=1)
+
+
+def test_read_trace_file_errors(tmp_path):
+    """A byte that is no UTF-8 names its line; a directory or a missing file is named."""
+    p = tmp_path / "t.csv"
+    p.write_bytes(b"context_len,output_len\n5,2\n\xff\xfe,2\n")
+    with pytest.raises(ValueError, match=r"t.csv line 3: not UTF-8 text \(byte 0xff at column 1\)"):
+        read_trace(p, batch_slots=1)
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(ValueError, match="d.jsonl' is a directory"):
+        read_trace(tmp_path / "d.jsonl", batch_slots=1)
+    with pytest.raises(FileNotFoundError, match="no such trace file"):
+        read_trace(tmp_path / "none.csv", batch_slots=1)
+    with pytest.raises(ValueError, match="output_len must be <= 131072, got 200000"):
+        Request(context_len=5, output_len=200000)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import check_count
+
 
 class OutOfPagesError(RuntimeError):
     """Raised when an append needs more free pages than the pool has; nothing was changed."""
@@ -27,13 +29,9 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int, *, shuffle_seed: int | None = None):
-        if not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        free = list(range(num_pages))
+        self.num_pages = check_count("num_pages", num_pages, minimum=1)
+        self.page_size = check_count("page_size", page_size, minimum=1)
+        free = list(range(self.num_pages))
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(free)
         # Pages are taken from the end of the list; reversed so that an unshuffled pool hands out 0, 1, 2...
@@ -75,8 +73,7 @@ class PageAllocator:
         Returns (pages, slots): int64 arrays [num_tokens], the page and the slot within it of each new
         token. Raises OutOfPagesError, changing nothing, when the free list is too short.
         """
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        num_tokens = check_count("num_tokens", num_tokens)
         seq = self.sequence(seq_id)
         need = self.pages_needed(seq_id, num_tokens)
         if need > len(self._free):
@@ -91,6 +88,14 @@ class PageAllocator:
         pages = table[positions // self.page_size] if num_tokens else positions
         seq.length += num_tokens
         return pages, positions % self.page_size
+
+    def undo_append(self, seq_id: object, num_tokens: int, *, pages_before: int) -> None:
+        """Take back the last append of `num_tokens` tokens to `seq_id`, which had `pages_before`
+        pages before it: its new pages go back to the free list as they came off it."""
+        seq = self.sequence(seq_id)
+        while len(seq.pages) > pages_before:
+            self._free.append(seq.pages.pop())
+        seq.length -= num_tokens
 
     def free(self, seq_id: object) -> None:
         """Return the pages of `seq_id` to the free list and forget it."""

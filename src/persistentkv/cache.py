@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .allocator import OutOfPagesError, PageAllocator
+from .checks import check_count
 from .page_table import PageTable
 
 LAYOUTS = ("NHD", "HND")
@@ -35,10 +36,9 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype = torch.float16, layout: str = "NHD",
                  device: torch.device | str = "cpu", shuffle_seed: int | None = None,
                  init: str = "empty"):
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        num_layers, num_kv_heads, head_dim = (
+            check_count(name, value, minimum=1) for name, value in
+            (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
         if dtype not in CACHE_DTYPES:
             raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
         if init not in ("empty", "zeros", "randn"):
@@ -46,10 +46,11 @@ class PagedKVCache:
         self.layout = check_layout(layout)
         self.allocator = PageAllocator(num_pages, page_size, shuffle_seed=shuffle_seed)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        self.page_size, self.num_pages, self.dtype = page_size, num_pages, dtype
+        self.page_size, self.num_pages, self.dtype = self.allocator.page_size, self.allocator.num_pages, dtype
         self.device = torch.device(device)
-        inner = (num_kv_heads, page_size) if layout == "HND" else (page_size, num_kv_heads)
-        shape = (num_pages, 2, *inner, head_dim)
+        inner = ((num_kv_heads, self.page_size) if layout == "HND"
+                 else (self.page_size, num_kv_heads))
+        shape = (self.num_pages, 2, *inner, head_dim)
         make = {"empty": torch.empty, "zeros": torch.zeros, "randn": torch.randn}[init]
         self.pools = [make(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
@@ -64,29 +65,65 @@ class PagedKVCache:
         return self.allocator.sequence(seq_id).length
 
     def append(self, seq_id: object, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens of every layer. k, v: [num_layers, n, Hkv, D] in the cache's dtype.
+        """Write new tokens of every layer. k, v: [num_layers, n, Hkv, D] in the cache's dtype, on
+        any device (copied to the cache's first).
 
-        Pages are allocated as needed; when the pool runs out, OutOfPagesError is raised and the
-        cache is left as it was.
+        Pages are allocated as needed. On any error (bad k or v, OutOfPagesError when the pool
+        runs out) the cache is left as it was: no token counted, no page taken, nothing written.
         """
-        expect = (self.num_layers, k.shape[1] if k.dim() == 4 else -1, self.num_kv_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != expect:
-                raise ValueError(f"{name} must be [num_layers, n, num_kv_heads, head_dim] = "
-                                 f"{list(expect)}, got {list(t.shape)}")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name}.dtype must be the cache's {self.dtype}, got {t.dtype}")
-        pages, slots = self.allocator.append(seq_id, int(k.shape[1]))
-        self.write_slots(pages, slots, k, v)
+        k, v = self._checked_kv(k, v)
+        n = k.shape[1]
+        pages_before = len(self.allocator.sequence(seq_id).pages)
+        pages, slots = self.allocator.append(seq_id, n)
+        try:
+            self._write(pages, slots, k, v)
+        except BaseException:
+            self.allocator.undo_append(seq_id, n, pages_before=pages_before)
+            raise
 
     def append_tokens(self, seq_id: object, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Reserve slots for `num_tokens` tokens without writing them; returns (pages, slots)."""
         return self.allocator.append(seq_id, num_tokens)
 
-    def write_slots(self, pages: np.ndarray, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v [num_layers, n, Hkv, D] into the given (page, slot) of each layer's pool."""
+    def write_slots(self, pages, slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [num_layers, n, Hkv, D] into the given (page, slot) of each layer's pool:
+        pages and slots are n integers each (numpy, a list or a tensor), in [0, num_pages) and
+        [0, page_size). Everything is checked before anything is written."""
+        k, v = self._checked_kv(k, v)
+        n = k.shape[1]
+        index = []
+        for name, values, bound in (("pages", pages, self.num_pages), ("slots", slots, self.page_size)):
+            if isinstance(values, torch.Tensor):
+                values = values.detach().cpu().numpy()
+            arr = np.asarray(values)
+            if arr.shape != (n,) or (n and not np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError(f"{name} must be {n} integers (k has {n} tokens), got "
+                                 f"{arr.dtype} of shape {list(arr.shape)}")
+            bad = np.flatnonzero((arr < 0) | (arr >= bound))
+            if len(bad):
+                raise ValueError(f"{name}[{bad[0]}]={arr[bad[0]]} is outside [0, {bound})")
+            index.append(arr.astype(np.int64))
+        self._write(*index, k, v)
+
+    def _checked_kv(self, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v checked (tensors of [num_layers, n, Hkv, D] in the cache's dtype, one n) and on
+        the cache's device."""
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        expect = (self.num_layers, k.shape[1] if k.dim() == 4 else -1, self.num_kv_heads,
+                  self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != expect:
+                raise ValueError(f"{name} must be [num_layers, n, num_kv_heads, head_dim] = "
+                                 f"{list(expect)}, got {list(t.shape)}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name}.dtype must be the cache's {self.dtype}, got {t.dtype}")
+            if t.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to write")
+        return k.to(self.device), v.to(self.device)
+
+    def _write(self, pages: np.ndarray, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
         if len(pages) == 0:
             return
         p = torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(self.device)
@@ -94,9 +131,9 @@ class PagedKVCache:
         for layer, pool in enumerate(self.pools):
             for kv, src in ((0, k), (1, v)):
                 if self.layout == "NHD":
-                    pool[p, kv, s] = src[layer].to(self.device)
+                    pool[p, kv, s] = src[layer]
                 else:
-                    pool[p, kv, :, s] = src[layer].to(self.device)
+                    pool[p, kv, :, s] = src[layer]
 
     # -- page tables -----------------------------------------------------------------------------
     def page_table(self, seq_ids: Iterable[object] | None = None) -> PageTable:

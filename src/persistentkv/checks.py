@@ -1,15 +1,27 @@
 """Argument checks shared by the public entries; every message names the argument and its value."""
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+MAX_GROUP = 64        # query heads per KV head
+MAX_HEAD_DIM = 256
 
 
 def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An integer >= 1 (int or numpy integer, not bool), as an int."""
+    return check_count(name, value, minimum=1)
+
+
+def check_count(name: str, value: object, *, minimum: int = 0) -> int:
+    """An integer (int or numpy integer, not bool) >= minimum, as an int: TypeError for a value that
+    is no integer, ValueError below the minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {int(value)}")
+    return int(value)
 
 
 def check_tensor(name: str, value: object, *, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
@@ -29,3 +41,21 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, but the page table was planned on {device}")
+
+
+def check_attention_shape(*, num_qo_heads: object, num_kv_heads: object, head_dim: object,
+                          page_size: object) -> tuple[int, int, int, int]:
+    """The heads, head dim and page size plan() takes, as ints."""
+    num_qo_heads, num_kv_heads, head_dim, page_size = (
+        check_positive_int(name, value) for name, value in
+        (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+         ("page_size", page_size)))
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    if num_qo_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"group size num_qo_heads/num_kv_heads={num_qo_heads // num_kv_heads} "
+                         f"is over the supported {MAX_GROUP}")
+    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
+    return num_qo_heads, num_kv_heads, head_dim, page_size

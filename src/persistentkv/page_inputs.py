@@ -99,7 +99,7 @@ def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, b
     csr, block = (kv_indptr, kv_indices, kv_last_page_len), (block_table, seq_lens)
     if all(t is not None for t in csr) and all(t is None for t in block):
         rows = check_csr_shapes(*csr)
-        indices = kv_indices
+        indices = _kernel_side("kv_indices", kv_indices)
         check_metadata_device(indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
         max_page = _checked_csr(*csr, page_size) if check_values else -1
         indptr, last = (_on_device(t, indices.device) for t in (kv_indptr, kv_last_page_len))
@@ -107,7 +107,7 @@ def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, b
         row_stride = width = 0
     elif all(t is not None for t in block) and all(t is None for t in csr):
         rows = check_block_shapes(*block)
-        indices = block_table
+        indices = _kernel_side("block_table", block_table)
         check_metadata_device(indices.device, seq_lens=seq_lens)
         max_page = _checked_block(*block, page_size) if check_values else -1
         lens = _on_device(seq_lens, indices.device)
@@ -119,6 +119,14 @@ def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, b
     return PageTableArgs(csr=indices is kv_indices, indices=indices, leading=leading, rows=rows,
                          pages=pages, max_row_pages=max_row_pages, num_indices=indices.numel(),
                          row_stride=row_stride, width=width, max_page=max_page)
+
+
+def _kernel_side(name: str, indices: torch.Tensor) -> torch.Tensor:
+    """The page indices, on a device the kernels run on: a GPU, or the CPU (Triton's interpreter)."""
+    if indices.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name} is on {indices.device}: the page table must be on the GPU the "
+                         f"kernels run on (or on the CPU, for Triton's interpreter)")
+    return indices
 
 
 def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ import numbers
 import torch
 
 from .cache import check_layout
-from .checks import check_positive_int
+from .checks import check_attention_shape, check_positive_int
 from .launch import DecodeLauncher
 from .page_inputs import page_table_args
 from .planner import DecodePlan, Planner, PlanOptions
@@ -25,8 +25,6 @@ from .runtime import check_interpreter_numpy
 from .schedule import DETERMINISTIC_SPLIT_TOKENS, SCHEDULES, Choice
 from .tuning import KernelConfig, default_config
 
-MAX_GROUP = 64
-MAX_HEAD_DIM = 256
 BACKENDS = (*SCHEDULES, "auto")
 
 
@@ -54,8 +52,8 @@ class DecodeWrapper:
             raise TypeError(f"use_cuda_graph must be a bool, got {use_cuda_graph!r}")
         self.use_cuda_graph = use_cuda_graph
         if use_cuda_graph:
-            check_positive_int("max_batch_size", max_batch_size)
-            check_positive_int("max_num_pages", max_num_pages)
+            max_batch_size = check_positive_int("max_batch_size", max_batch_size)
+            max_num_pages = check_positive_int("max_num_pages", max_num_pages)
         elif max_batch_size is not None or max_num_pages is not None:
             raise ValueError("max_batch_size and max_num_pages size the buffers of "
                              "use_cuda_graph=True; leave them out otherwise")
@@ -157,21 +155,13 @@ class DecodeWrapper:
 def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
                   config, deterministic, check_page_table) -> PlanOptions:
     """plan()'s options, checked; every error names the argument and its value."""
-    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("page_size", page_size)):
-        check_positive_int(name, value)
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of "
-                         f"num_kv_heads={num_kv_heads}")
-    if num_qo_heads // num_kv_heads > MAX_GROUP:
-        raise ValueError(f"group size num_qo_heads/num_kv_heads={num_qo_heads // num_kv_heads} "
-                         f"is over the supported {MAX_GROUP}")
-    if head_dim % 16 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
-    if backend not in BACKENDS:
+    num_qo_heads, num_kv_heads, head_dim, page_size = check_attention_shape(
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size)
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if split_pages is not None:
-        check_positive_int("split_pages", split_pages)
+        split_pages = check_positive_int("split_pages", split_pages)
     for name, flag in (("deterministic", deterministic), ("check_page_table", check_page_table)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")

@@ -15,7 +15,8 @@ from ..policy import Policy, bin_of, fit_policy, policy_file_name
 from ..schedule import Choice
 from .backends import _pkv_variant, make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
-from .results import FI_BEST, environment, print_table, run_ceiling, summarize, write_results
+from .results import (FI_BEST, check_out_dir, environment, print_table, run_ceiling, summarize,
+                      write_results)
 from .runner import Measured, ModelShape, RunOptions, functional_setup, run_trace
 from .suite import FUNCTIONAL_PARAMS, FUNCTIONAL_TRACE, TRACE_SUITE, TraceSpec
 from .traces import make_trace
@@ -86,6 +87,9 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     policy on `objective` (eager_us on the CPU) and save it at out_path, its measurements
     beside it."""
     functional = device.type != "cuda" and not from_results
+    if out_path.is_dir():
+        raise ValueError(f"--out {str(out_path)!r} is a folder; it names the policy file to write")
+    check_out_dir(out_path.parent)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if from_results:
         measured = measured_from_results(from_results)
@@ -165,6 +169,7 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     """Measure `backends` and pkv-auto deciding with `policy` on the held-out seeds; write the
     results with the evaluation table (evaluation_table) in their environment."""
     functional = device.type != "cuda"
+    check_out_dir(out_dir)
     if functional:
         print("No GPU: a functional evaluation through Triton's interpreter; its timings mean nothing.")
         shape, opts = functional_setup(shape, opts)

@@ -109,6 +109,12 @@ def run_ceiling(measured_all: list[Measured], measured_read_tbps: float | None) 
     return max(candidates) if candidates else None
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Before a run: the results folder must be a folder (or not exist yet), not a file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} is a file; it names the folder for the results")
+
+
 def write_results(out_dir: Path, *, env: dict, summary: list[dict], steps: list[dict], tag: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{tag}.json", out_dir / f"{tag}.csv", out_dir / f"{tag}-steps.csv"]
@@ -137,13 +143,18 @@ def print_table(summary: list[dict], *, title: str, functional: bool) -> None:
             ("fraction_of_ceiling", "% ceiling"), ("eager_us_per_step", "us/step (eager)"),
             ("plan_us", "plan us"), ("run_us", "run us"), ("speedup_graph_vs_fi_best", "x FI best (graph)"),
             ("speedup_eager_vs_fi_best", "x FI best (eager)"), ("max_error", "max rel err")]
+    if functional:   # no device times, no bandwidth: what the run checked, and its host times
+        cols = [c for c in cols if c[0] in ("case", "backend", "status", "eager_us_per_step",
+                                            "plan_us", "run_us", "max_error")]
     for _, head in cols:
         table.add_column(head, justify="right" if head not in ("case", "backend", "status") else "left")
     for r in summary:
         cells = []
         for key, _ in cols:
             v = r.get(key, "")
-            if key == "fraction_of_ceiling" and isinstance(v, float):
+            if isinstance(v, float) and math.isnan(v):
+                v = "-"
+            elif key == "fraction_of_ceiling" and isinstance(v, float):
                 v = f"{100 * v:.0f}%"
             elif key == "max_error" and isinstance(v, float):
                 v = f"{v:.1e}"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..cache import PagedKVCache
+from ..checks import check_attention_shape
 from .backends import Backend, StepInputs
 from .measure import StepTiming, measure_step, reference_output, time_graphs
 from .traces import Trace, peak_tokens, replay
@@ -32,6 +33,10 @@ class ModelShape:
     page_size: int = 16
     dtype: torch.dtype = torch.float16
     layout: str = "HND"
+
+    def __post_init__(self):
+        check_attention_shape(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                              head_dim=self.head_dim, page_size=self.page_size)
 
     @classmethod
     def of(cls, preset: str | None = None, **fields) -> "ModelShape":
@@ -87,8 +92,13 @@ def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, R
 
 
 def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions) -> int:
+    """Layers (at most opts.layers) whose pools of num_pages pages fit the memory budget; a
+    ValueError when not even one does."""
     per_layer = num_pages * shape.page_size * shape.bytes_per_token()
-    return max(1, min(opts.layers, int(opts.memory_budget_gb * 1e9 // per_layer)))
+    if per_layer > opts.memory_budget_gb * 1e9:
+        raise ValueError(f"one layer's pool of {num_pages} pages needs {per_layer / 1e9:.1f} GB, "
+                         f"over the memory budget of {opts.memory_budget_gb:g} GB (--memory-gb)")
+    return min(opts.layers, int(opts.memory_budget_gb * 1e9 // per_layer))
 
 
 def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.device,

@@ -10,7 +10,7 @@ import torch
 
 from .backends import make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
-from .results import environment, print_table, run_ceiling, summarize, write_results
+from .results import check_out_dir, environment, print_table, run_ceiling, summarize, write_results
 from .runner import Measured, ModelShape, RunOptions, functional_setup, run_static, run_trace
 from .traces import Trace, make_trace, read_trace
 
@@ -63,12 +63,19 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
               batch_slots: int, backends: list[str], shape: ModelShape, opts: RunOptions,
               out_dir: Path, tag: str | None) -> int:
     functional = device.type != "cuda"
+    check_out_dir(out_dir)
     if cells is not None:
         if not grid:
             raise ValueError(f"cells={cells} pick grid cells: add --grid")
         grid_cases(cells)   # names checked before anything runs
+    if traces:
+        unknown = sorted(set(traces) - {s.name for s in TRACE_SUITE})
+        if unknown:
+            raise ValueError(f"unknown trace(s) {unknown}; choose from "
+                             f"{[s.name for s in TRACE_SUITE]} or pass --trace-file")
     if functional:
-        print("No GPU: a functional run through Triton's interpreter; its timings mean nothing.")
+        print("No GPU: a functional run through Triton's interpreter, at its own small shape "
+              "(8/2/64); its timings mean nothing.")
         shape, opts = functional_setup(shape, opts)
     built, skipped = make_backends(backends, layout=shape.layout, device=device)
     for name, why in skipped.items():
@@ -91,11 +98,6 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
     else:
         specs = [FUNCTIONAL_TRACE] if functional else [s for s in TRACE_SUITE
                                                        if traces is None or s.name in traces]
-        if traces and not functional:
-            unknown = set(traces) - {s.name for s in TRACE_SUITE}
-            if unknown:
-                raise ValueError(f"unknown trace(s) {sorted(unknown)}; choose from "
-                                 f"{[s.name for s in TRACE_SUITE]} or pass --trace-file")
         for spec in specs:
             trace = make_trace(spec.generator, batch_slots=spec.batch_slots,
                                num_requests=spec.num_requests, seed=opts.seed,
@@ -119,8 +121,8 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
     if not measured:
         raise ValueError("nothing to measure")
     print_table(summary, title=f"PersistentKV bench ({env['device']})", functional=functional)
-    print("ceiling %.2f TB/s; wrote %s" % (env["ceiling_tbps"] or float("nan"),
-                                           ", ".join(str(p) for p in paths)))
+    ceiling = "" if functional else "ceiling %.2f TB/s; " % env["ceiling_tbps"]
+    print(f"{ceiling}wrote {', '.join(str(p) for p in paths)}")
     failed = [r for r in summary if r["status"] == "failed" and r["backend"].startswith("pkv-")]
     for r in failed:
         print(f"FAILED: {r['case']} {r['backend']}: {r['note']}")

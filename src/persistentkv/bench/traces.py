@@ -57,18 +57,31 @@ def _check_int(name: str, value: object, *, minimum: int) -> int:
 
 
 # -- data -----------------------------------------------------------------------------------------
+# What one request may ask for: a context of 4M tokens (16 GiB of fp16 KV per layer at 32/8/128),
+# 128K decode steps, an arrival 1M steps in. Past these a replay would only run out of memory or
+# time (every step of a trace is listed before it is measured).
+MAX_CONTEXT_LEN = 1 << 22
+MAX_OUTPUT_LEN = 1 << 17
+MAX_ARRIVAL_STEP = 1 << 20
+_LIMITS = {"context_len": (1, MAX_CONTEXT_LEN), "output_len": (1, MAX_OUTPUT_LEN),
+           "arrival_step": (0, MAX_ARRIVAL_STEP)}
+
+
 @dataclass(frozen=True)
 class Request:
-    """One request: `context_len` tokens cached when it starts (>= 1), `output_len` decode steps
-    (>= 1), and the earliest step at which it may take a slot (>= 0)."""
+    """One request: `context_len` tokens cached when it starts, `output_len` decode steps, and the
+    earliest step at which it may take a slot; each within _LIMITS."""
 
     context_len: int
     output_len: int
     arrival_step: int = 0
 
     def __post_init__(self):
-        for name, minimum in (("context_len", 1), ("output_len", 1), ("arrival_step", 0)):
-            object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=minimum))
+        for name, (minimum, maximum) in _LIMITS.items():
+            value = _check_int(name, getattr(self, name), minimum=minimum)
+            if value > maximum:
+                raise ValueError(f"{name} must be <= {maximum}, got {value}")
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True)
@@ -232,13 +245,14 @@ def make_trace(name: str, *, batch_slots: int, num_requests: int, seed: int, **p
 
 
 # -- files ----------------------------------------------------------------------------------------
-_FIELDS = (("context_len", 1, True), ("output_len", 1, True), ("arrival_step", 0, False))
+_FIELDS = (("context_len", True), ("output_len", True), ("arrival_step", False))
 
 
 def _request_from(record: dict, where: str) -> Request:
     """A Request from one parsed line (JSON values or CSV strings); ValueError naming `where`."""
     values = {}
-    for key, minimum, required in _FIELDS:
+    for key, required in _FIELDS:
+        minimum, maximum = _LIMITS[key]
         raw = record.get(key)
         if raw is None or (isinstance(raw, str) and not raw.strip()):
             if required:
@@ -256,43 +270,61 @@ def _request_from(record: dict, where: str) -> Request:
         if value is None or value < minimum:
             kind = "a positive integer" if minimum == 1 else "a non-negative integer"
             raise ValueError(f"{where}: {key} must be {kind}, got {raw!r}")
+        if value > maximum:
+            raise ValueError(f"{where}: {key} must be <= {maximum}, got {raw!r}")
         values[key] = value
     return Request(**values)
 
 
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file; a byte that is no UTF-8 is a ValueError naming the
+    line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path.name} line {lineno}: not UTF-8 text (byte "
+                                 f"{raw[e.start]:#04x} at column {e.start + 1})") from None
+
+
 def _read_jsonl(path: Path) -> list[Request]:
     requests = []
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path.name} line {lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {line.strip()[:40]!r}")
-            requests.append(_request_from(record, where))
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {line.strip()[:40]!r}")
+        requests.append(_request_from(record, where))
     return requests
 
 
 def _read_csv(path: Path) -> list[Request]:
     requests = []
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f)
-        header = None
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue
-            where = f"{path.name} line {reader.line_num}"
-            if header is None:
-                header = [cell.strip() for cell in row]
-                for key, _, required in _FIELDS:
-                    if required and key not in header:
-                        raise ValueError(f"{where}: header lacks column {key!r}, got {header}")
-                continue
-            requests.append(_request_from(dict(zip(header, row)), where))
+    reader = csv.reader(text for _, text in _lines(path))
+    header = None
+    while True:
+        try:
+            row = next(reader, None)
+        except csv.Error as e:
+            raise ValueError(f"{path.name} line {reader.line_num}: not CSV ({e})") from None
+        if row is None:
+            break
+        if not any(cell.strip() for cell in row):
+            continue
+        where = f"{path.name} line {reader.line_num}"
+        if header is None:
+            header = [cell.strip() for cell in row]
+            for key, required in _FIELDS:
+                if required and key not in header:
+                    raise ValueError(f"{where}: header lacks column {key!r}, got {header}")
+            continue
+        requests.append(_request_from(dict(zip(header, row)), where))
     return requests
 
 
@@ -302,6 +334,10 @@ def read_trace(path: str | os.PathLike, *, batch_slots: int, name: str | None = 
     others ignored). Blank lines are skipped; an empty arrival_step is 0. `name` defaults to the
     file's stem. Any bad line raises ValueError with the file name and line number."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"trace file {str(path)!r} is a directory")
+    if not path.is_file():
+        raise FileNotFoundError(f"no such trace file: {str(path)!r}")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         fmt, reader = "jsonl", _read_jsonl
