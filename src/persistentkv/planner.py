@@ -45,8 +45,8 @@ class PlanOptions:
 
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
-    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks), partial
-    outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
+    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
+    partial outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
     [capacity * Hkv], by partial slot (zero between launches). `generation` counts the reallocations."""
 
     def __init__(self, device: torch.device):
