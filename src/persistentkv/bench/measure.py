@@ -108,13 +108,8 @@ def time_graphs(timed: list[tuple[Backend, StepTiming]], step: StepInputs, *, re
     layers = len(step.queries)
     graphs, owners = [], []
     for backend, timing in timed:
-        def body(backend=backend):
-            if backend.capture_plan:
-                backend.plan(step)
-            for layer in range(layers):
-                backend.run(layer)
         try:
-            graphs.append(capture_graph(body))
+            graphs.append(capture_graph(_step_body(backend, step, layers)))
             owners.append(timing)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot be captured is reported
             torch.cuda.synchronize()
@@ -126,14 +121,17 @@ def time_graphs(timed: list[tuple[Backend, StepTiming]], step: StepInputs, *, re
 def graph_time_per_layer(backend: Backend, step: StepInputs, layers: int, *, reps: int) -> float:
     """Median device time of one layer: the L runs of the planned step captured in one CUDA graph
     (with the plan too, divided over the layers, for a backend that plans on the GPU)."""
+    return graph_replay_us(_step_body(backend, step, layers), reps=reps) / layers
 
+
+def _step_body(backend: Backend, step: StepInputs, layers: int):
+    """What a step's graph holds: the plan (for a backend that plans on the GPU) and L runs."""
     def body():
         if backend.capture_plan:
             backend.plan(step)
         for layer in range(layers):
             backend.run(layer)
-
-    return graph_replay_us(body, reps=reps) / layers
+    return body
 
 
 def capture_graph(body) -> torch.cuda.CUDAGraph:
