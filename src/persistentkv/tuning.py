@@ -45,7 +45,11 @@ class KernelConfig:
 
 @functools.lru_cache(maxsize=None)
 def default_config(*, head_dim: int) -> KernelConfig:
-    """The default for a head dim (K and V tiles of block_n x head_dim stay within registers)."""
+    """The default for a head dim: K/V tiles of about 4096 elements (block_n x head_dim) at three
+    stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
+    stages instead of two, head dim 64 at block_n 128 instead of 64."""
     if head_dim > 128:
-        return KernelConfig(block_n=32, num_stages=2)
+        return KernelConfig(block_n=32)
+    if head_dim <= 64:
+        return KernelConfig(block_n=128)
     return KernelConfig()
