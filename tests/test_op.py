@@ -4,7 +4,7 @@ import torch
 
 from paged_case import ON_GPU, csr_kwargs, make_case
 from persistentkv import TOLERANCE, DecodeWrapper, reference_decode, relative_error
-from persistentkv.op import paged_decode
+from persistentkv.op import guard_pages, paged_decode
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
@@ -23,6 +23,7 @@ def test_opcheck(backend):
     case, w = planned(backend)
     plan, pool = w.current_plan, case.kv_cache
     ws, cfg = plan.workspace, plan.config
+    w.run(case.q, pool)               # a trusted table: the first run() makes the guarded copy
     args = (case.q, pool, pool, plan.indices, ws.tasks, ws.info, ws.part_o, ws.part_lse,
             ws.counters, [pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(1)],
             plan.sm_scale, plan.num_kv_heads, plan.page_size, plan.programs, cfg.block_n,
@@ -32,6 +33,23 @@ def test_opcheck(backend):
     ref, _ = reference_decode(case.q, pool, layout="HND", **csr_kwargs(case.table))
     assert relative_error(paged_decode(*args), ref) <= TOLERANCE[torch.float16]
     assert int(ws.counters.abs().sum()) == 0 and int(ws.info[3]) == 0
+
+
+def test_opcheck_guard_pages():
+    """The page guard's op copies the table, an entry outside the pool replaced by page 0."""
+    case, w = planned()
+    plan, pool = w.current_plan, case.kv_cache
+    guard = plan.guard
+    table = guard.leading[0].clone()
+    table[1] = pool.shape[0] + 3
+    args = (table, guard.leading[1], *guard.fixed, pool.shape[0], guard.page_size, guard.csr)
+    torch.library.opcheck(guard_pages, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    plan.workspace.info[6] = 0
+    guard_pages(*args)
+    want = table.clone()
+    want[1] = 0
+    assert torch.equal(plan.indices[:guard.extent], want) and int(plan.workspace.info[6]) == 1
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])

@@ -215,3 +215,68 @@ def test_a_page_table_on_the_meta_device_is_refused(form):
         name = "block_table"
     with pytest.raises(ValueError, match=f"{name} is on meta"):
         DecodeWrapper("NHD").plan(**kwargs, **HEADS, check_page_table=True)
+
+
+@pytest.mark.parametrize("form", ["csr", "block"])
+@pytest.mark.parametrize("bad_page", [10**6, -5])
+def test_out_of_pool_page_indices_read_page_0_and_are_counted(form, bad_page):
+    """A trusted page table with an entry outside the pool: run() reads page 0 in its place (no
+    read outside the pool; the row is what the table with page 0 there gives), the other rows
+    are right, and check() names the count once per step however many layers ran."""
+    from paged_case import block_kwargs
+
+    case = make_case(seq_lens=[40, 70, 33], **HEADS)
+    pages = [p.copy() for p in case.table.row_pages]
+    pages[1][2] = bad_page                                   # row 1's third page
+    table = PageTable(row_pages=tuple(pages), seq_lens=case.table.seq_lens, page_size=16)
+    kwargs = csr_kwargs(table) if form == "csr" else block_kwargs(table)
+    pages[1][2] = 0
+    as_read = PageTable(row_pages=tuple(pages), seq_lens=case.table.seq_lens, page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.check()                                          # nothing planned yet: nothing to say
+    wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1)
+    for _ in range(2):                                       # two layers: one copy, one count
+        out = torch.full_like(case.q, float("nan"))
+        wrapper.run(case.q, case.kv_cache, out=out)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(as_read))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+    with pytest.raises(ValueError, match=r"^1 used page-table entries since the last check\(\) were"):
+        wrapper.check()
+    wrapper.check()                                          # reset: quiet until the next one
+    wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1)
+    wrapper.run(case.q, case.kv_cache)                       # a new step copies and counts again
+    with pytest.raises(ValueError, match=r"^1 used page-table entries"):
+        wrapper.check()
+    with pytest.raises(ValueError, match=r"outside the pool of \d+ pages|is negative"):
+        wrapper.plan(**kwargs, **HEADS, check_page_table=True)
+        wrapper.run(case.q, case.kv_cache)
+
+
+def test_page_guard_copies_refilled_tables_and_ignores_padding():
+    """A plan() of the same tensors refilled in place (the planner's replan path) copies the new
+    values; block-table padding past a row's pages may hold anything and is not counted."""
+    from paged_case import block_kwargs
+
+    case = make_case(seq_lens=[40, 70], **HEADS)
+    kwargs = block_kwargs(case.table)
+    table = kwargs["block_table"]
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**kwargs, **HEADS)
+    wrapper.run(case.q, case.kv_cache)
+    wrapper.check()
+    good = table.clone()
+    pad = torch.arange(table.shape[1], device=table.device)[None, :] >= torch.tensor(
+        [3, 5], device=table.device)[:, None]
+    table[pad] = -7                                          # padding: anything goes
+    table[0, 1] = 10**7                                      # a used entry: counted
+    wrapper.plan(**kwargs, **HEADS)
+    wrapper.run(case.q, case.kv_cache)
+    with pytest.raises(ValueError, match=r"^1 used page-table entries"):
+        wrapper.check()
+    table.copy_(good)
+    wrapper.plan(**kwargs, **HEADS)
+    out = torch.full_like(case.q, float("nan"))
+    wrapper.run(case.q, case.kv_cache, out=out)
+    wrapper.check()
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]

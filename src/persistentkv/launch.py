@@ -134,6 +134,9 @@ class DecodeLauncher:
         if plan.batch_size:
             if sig is None:   # checked by _prepare: a tensor or a (k, v) pair
                 k, v = (kv_cache, kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
+            if plan.guard is not None:   # a trusted table: its copy, once per plan() and pool
+                plan.guard.ensure(k.shape[0])
+            if sig is None:
                 prepared(q, k, v, out, out if lse is None else lse, plan.indices)
             else:
                 prepared.with_pointers((q, k, v, out, out if lse is None else lse, plan.indices),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.decode import decode_constexprs, paged_decode_kernel
+from .kernels.guard import GUARD_BLOCK, guard_pages_kernel
 from .launch import LOG2_E, cache_strides
 from .page_inputs import cache_views
 from .runtime import interpreting
@@ -45,6 +46,22 @@ def _paged_decode_fake(q, k, v, indices, tasks, info, part_o, part_lse, counters
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
+@torch.library.custom_op("persistentkv::guard_pages", mutates_args=("safe", "info"))
+def guard_pages(indices: torch.Tensor, meta: torch.Tensor, safe: torch.Tensor, info: torch.Tensor,
+                num_rows: int, row_stride: int, width: int, extent: int, num_pages: int,
+                page_size: int, csr: bool) -> None:
+    """safe = the page table with entries outside the pool replaced by 0 (see kernels/guard.py)."""
+    guard_pages_kernel[(max(-(-extent // GUARD_BLOCK), 1),)](
+        indices, meta, safe, info, num_rows, row_stride, width, extent, num_pages,
+        PAGE_SIZE=page_size, CSR=csr, BLOCK=GUARD_BLOCK)
+
+
+@guard_pages.register_fake
+def _guard_pages_fake(indices, meta, safe, info, num_rows, row_stride, width, extent, num_pages,
+                      page_size, csr):
+    return None
+
+
 def traced_decode(plan, q, kv_cache, out, return_lse: bool, *, kv_layout: str) -> torch.Tensor:
     """run() under torch.compile: the registered op, which the compiler can trace."""
     if out is not None or return_lse:
@@ -57,7 +74,9 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, *, kv_layout: str) -
         strides.append(kv_cache.stride(1))
     else:
         strides.append(0)
-    ws, cfg = plan.workspace, plan.config
+    ws, cfg, guard = plan.workspace, plan.config, plan.guard
+    if guard is not None:   # a trusted table: its copy, at every layer (no host state when traced)
+        guard_pages(*guard.leading, *guard.fixed, k.shape[0], guard.page_size, guard.csr)
     return paged_decode(q, k, v, plan.indices, ws.tasks, ws.info, ws.part_o, ws.part_lse,
                         ws.counters, strides, plan.sm_scale, plan.num_kv_heads, plan.page_size,
                         plan.programs, cfg.block_n, cfg.num_warps, cfg.num_stages)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .kernels.plan import INFO_FIELDS, POLICY_EDGES, TASK_FIELDS, plan_kernel
+from .guard import PageGuard, guarded_extent
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
 from .policy import EDGES, Policy, fallback_choice, load_policy
@@ -47,7 +48,8 @@ class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
     [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
     partial outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
-    [capacity * Hkv], by partial slot (zero between launches). `generation` counts the reallocations."""
+    [capacity * Hkv], by partial slot (zero between launches), and the page guard's copy of a
+    trusted page table, int32 [entries] (guard.py). `generation` counts the reallocations."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -56,22 +58,30 @@ class Workspace:
         self.part_o = torch.empty(0, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(0, dtype=torch.float32, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self.safe_pages = torch.zeros(0, dtype=torch.int32, device=device)
         self.generation = 0
 
     @property
     def capacity(self) -> int:
         return self.tasks.shape[0]
 
-    def fits(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int) -> bool:
+    def fits(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int,
+             pages: int) -> bool:
         capacity = self.tasks.shape[0]
         slots = capacity * partial_heads   # the kernel may use every task's slot
         return (capacity >= tasks and self.part_lse.numel() >= slots
                 and self.part_o.numel() >= slots * head_dim
-                and self.counters.numel() >= capacity * kv_heads)
+                and self.counters.numel() >= capacity * kv_heads
+                and self.safe_pages.numel() >= pages)
 
-    def reserve(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int) -> None:
-        """Room for `tasks` task records, their partials and merge counters."""
+    def reserve(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int,
+                pages: int) -> None:
+        """Room for `tasks` task records, their partials and merge counters, and a copy of
+        `pages` page-table entries."""
         grown = False
+        if self.safe_pages.numel() < pages:
+            self.safe_pages = torch.zeros(pages, dtype=torch.int32, device=self.device)
+            grown = True
         if self.tasks.shape[0] < tasks:
             tasks = -(-tasks // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
             self.tasks = torch.zeros(tasks, TASK_FIELDS, dtype=torch.int32, device=self.device)
@@ -100,11 +110,13 @@ class DecodePlan:
     sm_scale: float
     config: KernelConfig
     choice: Choice | None        # None: decided per step on the device by the policy
-    indices: torch.Tensor        # flat page indices: kv_indices, or block_table (row-major)
+    indices: torch.Tensor        # flat page indices the kernels read: kv_indices, block_table
+                                 # (row-major), or a trusted table's guarded copy
     indices_ptr: int
     workspace: Workspace
     programs: int                # persistent programs of run()'s launch
     max_page_index: int          # largest used page index, -1 when not read (trusted)
+    guard: PageGuard | None      # trusted tables: run() reads the guard's copy of `indices`
     launch_key: tuple
 
     def info(self) -> dict:
@@ -155,6 +167,8 @@ class Planner:
         if memo[1] != tuple(None if t is None else t.shape for t in tensors):
             return None
         memo[4].with_pointers(*memo[5])
+        if memo[3].guard is not None:
+            memo[3].guard.arm()
         return memo[3]
 
     def plan(self, tensors: tuple, table: PageTableArgs, options: PlanOptions) -> DecodePlan:
@@ -176,7 +190,9 @@ class Planner:
                                          chunks=chunks, max_row_pages=table.max_row_pages)
                               for c in codes),
                     partial_heads=options.num_qo_heads, head_dim=options.head_dim,
-                    kv_heads=options.num_kv_heads)
+                    kv_heads=options.num_kv_heads,
+                    pages=0 if options.check_page_table else max(guarded_extent(table),
+                                                                  self.fixed_pages or 0))
         if ws is None or ws.device != device:
             ws = self.workspace = Workspace(device)
         if not ws.fits(**need):
@@ -197,12 +213,15 @@ class Planner:
                                                         align)
         programs = min(options.config.programs_per_sm * sm_count(device),
                        ws.capacity * options.num_kv_heads)
+        guard = None if options.check_page_table else PageGuard(
+            table, safe=ws.safe_pages, info=ws.info, page_size=options.page_size)
+        indices = table.indices if guard is None else ws.safe_pages
         plan = DecodePlan(
             batch_size=table.rows, num_qo_heads=options.num_qo_heads,
             num_kv_heads=options.num_kv_heads, head_dim=options.head_dim,
             page_size=options.page_size, sm_scale=options.sm_scale, config=options.config,
-            choice=options.choice, indices=table.indices, indices_ptr=table.indices.data_ptr(),
-            workspace=ws, programs=programs, max_page_index=table.max_page,
+            choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
+            workspace=ws, programs=programs, max_page_index=table.max_page, guard=guard,
             launch_key=(id(ws), ws.generation, options, programs, table.max_page))
         call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])
         launch.with_pointers(*call)

@@ -73,6 +73,19 @@ class DecodeWrapper:
         return self._planner.policy_for(plan.indices.device,
                                         (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim))
 
+    def check(self) -> None:
+        """ValueError when a step since the last check() had page-table entries outside the pool.
+        A table whose values plan() did not check (check_page_table=False, graph mode) is read
+        through a guarded copy: an entry outside the pool reads page 0 instead (that row's output
+        is wrong) and is counted on the device. check() reads the count (one device read, a
+        synchronization, where the caller chooses: after a step, or every N steps) and resets it."""
+        ws = self._planner.workspace
+        count = 0 if ws is None else int(ws.info[6])
+        if count:
+            ws.info[6].zero_()
+            raise ValueError(f"{count} used page-table entries since the last check() were outside "
+                             f"the pool (they read page 0): the page table is wrong")
+
     @property
     def current_plan(self) -> DecodePlan:
         """The last plan() result."""

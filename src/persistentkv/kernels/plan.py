@@ -11,7 +11,8 @@ import triton.language as tl
 TASK_FIELDS = 8   # int32 per task record: (row, split, tok_lo, tok_hi, page_start, slot_start,
                   # num_splits, next task of the same chunk or -1)
 INFO_FIELDS = 8   # int32 plan info: (task count, split tokens, choice code, claim counter,
-                  # tasks that did not fit, chunks of a balanced plan (0: none), unused...)
+                  # tasks that did not fit, chunks of a balanced plan (0: none), used page-table
+                  # entries outside the pool (the page guard's; never reset here), unused)
 BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
 POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 

@@ -1,0 +1,40 @@
+"""The page guard: a trusted page table made memory-safe in one launch per step.
+
+The decode kernel reads K/V wherever a page index points. When the table's values were not
+checked on the host, run() first copies them with this kernel into the planner's workspace,
+every entry outside the pool replaced by page 0, and the decode kernels of the step read that
+copy. The used entries that were outside are counted in info[6] (DecodeWrapper.check()).
+"""
+import triton
+import triton.language as tl
+
+GUARD_BLOCK = 1024   # page-table entries per program
+
+
+@triton.jit(do_not_specialize=["num_rows", "row_stride", "width", "extent", "num_pages"])
+def guard_pages_kernel(indices_ptr, meta_ptr, safe_ptr, info_ptr, num_rows, row_stride, width,
+                       extent, num_pages, PAGE_SIZE: tl.constexpr, CSR: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """safe[e] = indices[e] if 0 <= indices[e] < num_pages else 0, for e < extent.
+
+    meta: kv_indptr int32 [num_rows + 1] (CSR: entries [indptr[0], indptr[num_rows]) are used) or
+    seq_lens int32 [num_rows] (block table of row stride `row_stride`: row b uses its first
+    min(cdiv(seq_lens[b], PAGE_SIZE), width) entries). info[6] += the used entries outside the pool.
+    Grid: (cdiv(extent, BLOCK),).
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < extent
+    page = tl.load(indices_ptr + offs, mask=inside, other=0)
+    bad = (page < 0) | (page >= num_pages)
+    tl.store(safe_ptr + offs, tl.where(bad, 0, page), mask=inside)
+    if CSR:
+        lo = tl.load(meta_ptr)
+        hi = tl.load(meta_ptr + num_rows)
+        used = (offs >= lo) & (offs < hi)
+    else:
+        row = offs // tl.maximum(row_stride, 1)
+        lens = tl.load(meta_ptr + row, mask=inside & (row < num_rows), other=0)
+        used = (offs - row * row_stride) < tl.minimum(tl.cdiv(tl.maximum(lens, 0), PAGE_SIZE), width)
+    count = tl.sum((bad & used & inside).to(tl.int32), axis=0)
+    if count > 0:
+        tl.atomic_add(info_ptr + 6, count, sem="relaxed", scope="gpu")
