@@ -23,7 +23,7 @@ POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr":
 
 
 def compile_decode(*, arch: int, group: int, head_dim: int, config=None):
-    cfg = config or default_config(head_dim=head_dim)
+    cfg = config or default_config(head_dim=head_dim, num_kv_heads=8)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    block_n=cfg.block_n, return_lse=False, upcast=False)
     names = paged_decode_kernel.arg_names

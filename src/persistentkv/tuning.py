@@ -44,12 +44,14 @@ class KernelConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(*, head_dim: int) -> KernelConfig:
-    """The default for a head dim: K/V tiles of about 4096 elements (block_n x head_dim) at three
+def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
+    """The default for a shape: K/V tiles of about 4096 elements (block_n x head_dim) at three
     stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
-    stages instead of two, head dim 64 at block_n 128 instead of 64."""
+    stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads (gpt-oss
+    64/8: geomean 1.024 -> 1.044x FlashInfer), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10%
+    on its small, latency-bound cells, 1.093 -> 1.065x)."""
     if head_dim > 128:
         return KernelConfig(block_n=32)
-    if head_dim <= 64:
+    if head_dim <= 64 and num_kv_heads >= 4:
         return KernelConfig(block_n=128)
     return KernelConfig()

@@ -179,7 +179,7 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if config is None:
-        config = default_config(head_dim=head_dim)
+        config = default_config(head_dim=head_dim, num_kv_heads=num_kv_heads)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig, got {type(config).__name__}")
     if sm_scale is None:

@@ -107,14 +107,16 @@ class PersistentKV(Backend):
                      + _override_suffix(self.overrides))
         self.backend, self.split_pages, self.config = backend, split_pages, config
         self.wrapper = DecodeWrapper(layout, policy=policy)
-        self._configs: dict[int, KernelConfig | None] = {}   # head_dim -> config
+        self._configs: dict[tuple, KernelConfig | None] = {}   # (head_dim, Hkv) -> config
         self.step = None
 
     def plan(self, step: StepInputs) -> None:
-        if step.head_dim not in self._configs:
-            self._configs[step.head_dim] = _with_overrides(self.config, self.overrides,
-                                                           head_dim=step.head_dim)
-        config = self._configs[step.head_dim]
+        shape = (step.head_dim, step.num_kv_heads)
+        if shape not in self._configs:
+            self._configs[shape] = _with_overrides(self.config, self.overrides,
+                                                   head_dim=step.head_dim,
+                                                   num_kv_heads=step.num_kv_heads)
+        config = self._configs[shape]
         if step is not self.step:        # no allocation when the step is planned again
             self.step, self.outs = step, [torch.empty_like(q) for q in step.queries]
         self.wrapper.plan(kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
@@ -268,11 +270,12 @@ def _override_suffix(overrides: dict) -> str:
     return "".join(f":{short[field]}{value:g}" for field, value in overrides.items())
 
 
-def _with_overrides(config: KernelConfig | None, overrides: dict, *,
-                    head_dim: int) -> KernelConfig | None:
+def _with_overrides(config: KernelConfig | None, overrides: dict, *, head_dim: int,
+                    num_kv_heads: int) -> KernelConfig | None:
     if not overrides:
         return config
-    return dataclasses.replace(config or default_config(head_dim=head_dim), **overrides)
+    return dataclasses.replace(config or default_config(head_dim=head_dim,
+                                                        num_kv_heads=num_kv_heads), **overrides)
 
 
 def _pkv_variant(name: str) -> tuple[str, int | None, dict] | None:
