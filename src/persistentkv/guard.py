@@ -38,14 +38,14 @@ class PageGuard:
 
     def __init__(self, table: PageTableArgs, *, safe: torch.Tensor, info: torch.Tensor,
                  page_size: int):
-        from .kernels.guard import GUARD_BLOCK
+        from .kernels.guard import GUARD_BLOCK, guard_grid
 
         self.extent = guarded_extent(table)
         self.leading = (table.indices, table.leading[0])
         self.fixed = (safe, info, table.rows, table.row_stride, table.width, self.extent)
         self.csr, self.page_size = table.csr, page_size
         self._constexprs = dict(PAGE_SIZE=page_size, CSR=table.csr, BLOCK=GUARD_BLOCK)
-        self._grid = (max(-(-self.extent // GUARD_BLOCK), 1),)
+        self._grid = guard_grid(self.extent)
         self._key = (table.csr, page_size, table.device.index,
                      *(t.data_ptr() % 16 for t in self.leading))
         self._bound: dict[int, BoundLaunch] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.decode import decode_constexprs, paged_decode_kernel
-from .kernels.guard import GUARD_BLOCK, guard_pages_kernel
+from .kernels.guard import GUARD_BLOCK, guard_grid, guard_pages_kernel
 from .launch import LOG2_E, cache_strides
 from .page_inputs import cache_views
 from .runtime import interpreting
@@ -51,7 +51,7 @@ def guard_pages(indices: torch.Tensor, meta: torch.Tensor, safe: torch.Tensor, i
                 num_rows: int, row_stride: int, width: int, extent: int, num_pages: int,
                 page_size: int, csr: bool) -> None:
     """safe = the page table with entries outside the pool replaced by 0 (see kernels/guard.py)."""
-    guard_pages_kernel[(max(-(-extent // GUARD_BLOCK), 1),)](
+    guard_pages_kernel[guard_grid(extent)](
         indices, meta, safe, info, num_rows, row_stride, width, extent, num_pages,
         PAGE_SIZE=page_size, CSR=csr, BLOCK=GUARD_BLOCK)
 

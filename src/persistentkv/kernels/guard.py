@@ -11,6 +11,11 @@ import triton.language as tl
 GUARD_BLOCK = 1024   # page-table entries per program
 
 
+def guard_grid(extent: int) -> tuple[int]:
+    """guard_pages_kernel's grid for `extent` entries (one program at least)."""
+    return (max(-(-extent // GUARD_BLOCK), 1),)
+
+
 @triton.jit(do_not_specialize=["num_rows", "row_stride", "width", "extent", "num_pages"])
 def guard_pages_kernel(indices_ptr, meta_ptr, safe_ptr, info_ptr, num_rows, row_stride, width,
                        extent, num_pages, PAGE_SIZE: tl.constexpr, CSR: tl.constexpr,
