@@ -131,17 +131,18 @@ class DecodeLauncher:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
             op = out.data_ptr()
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        if plan.batch_size:
+        if plan.batch_size and plan.total_queries:
             if sig is None:   # checked by _prepare: a tensor or a (k, v) pair
                 k, v = (kv_cache, kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
             if plan.guard is not None:   # a trusted table: its copy, once per plan() and pool
                 plan.guard.ensure(k.shape[0])
+            qo = plan.indices if plan.queries is None else plan.queries.indptr   # unread for decode
             if sig is None:
-                prepared(q, k, v, out, out if lse is None else lse, plan.indices)
+                prepared(q, k, v, out, out if lse is None else lse, plan.indices, qo)
             else:
-                prepared.with_pointers((q, k, v, out, out if lse is None else lse, plan.indices),
+                prepared.with_pointers((q, k, v, out, out if lse is None else lse, plan.indices, qo),
                                        [qp, kp, vp, op, op if lse is None else lse.data_ptr(),
-                                        plan.indices_ptr])
+                                        plan.indices_ptr, qo.data_ptr()])
         return out, lse
 
     def _prepare(self, plan, q, kv_cache, out, return_lse: bool) -> BoundLaunch:
@@ -153,9 +154,10 @@ class DecodeLauncher:
         from .page_inputs import cache_views
 
         check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
-        want = (plan.batch_size, plan.num_qo_heads, plan.head_dim)
+        want = (plan.total_queries, plan.num_qo_heads, plan.head_dim)
         if tuple(q.shape) != want:
-            raise ValueError(f"q must be [batch_size, num_qo_heads, head_dim] = {list(want)} as "
+            rows = "batch_size" if plan.queries is None else "qo_indptr[-1]"
+            raise ValueError(f"q must be [{rows}, num_qo_heads, head_dim] = {list(want)} as "
                              f"planned, got {list(q.shape)}")
         if q.stride(-1) != 1:
             raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
@@ -186,12 +188,13 @@ class DecodeLauncher:
         strides = (q.stride(0), q.stride(1), out_strides[0], out_strides[1], stride_page, stride_head,
                    stride_tok, stride_kv)
         ws = plan.workspace
-        fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, *strides,
+        fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, ws.row_lens, *strides,
                  plan.sm_scale * LOG2_E)
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
             head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.block_n,
-            return_lse=return_lse, upcast=interpreting())
+            return_lse=return_lse, upcast=interpreting(),
+            max_queries=1 if plan.queries is None else plan.queries.max_per_row)
         # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
         # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
         # allocator, always aligned).

@@ -18,31 +18,34 @@ from .runtime import interpreting
 @torch.library.custom_op("persistentkv::paged_decode",
                          mutates_args=("info", "part_o", "part_lse", "counters"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                 tasks: torch.Tensor, info: torch.Tensor, part_o: torch.Tensor,
-                 part_lse: torch.Tensor, counters: torch.Tensor, cache_strides: list[int],
-                 sm_scale: float, num_kv_heads: int, page_size: int, programs: int, block_n: int,
-                 num_warps: int, num_stages: int) -> torch.Tensor:
-    """out [B, Hq, D] = paged decode attention of q [B, Hq, D] (see kernels/decode.py).
+                 qo_indptr: torch.Tensor, tasks: torch.Tensor, info: torch.Tensor,
+                 part_o: torch.Tensor, part_lse: torch.Tensor, counters: torch.Tensor,
+                 row_lens: torch.Tensor, cache_strides: list[int], sm_scale: float,
+                 num_kv_heads: int, page_size: int, programs: int, block_n: int, num_warps: int,
+                 num_stages: int, max_queries: int) -> torch.Tensor:
+    """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
+    max_queries 1: one query per row, qo_indptr unread).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
     """
-    batch, num_qo_heads, head_dim = q.shape
-    out = torch.empty((batch, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
-    if batch == 0:
+    total, num_qo_heads, head_dim = q.shape
+    out = torch.empty((total, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)
+    if total == 0:
         return out
     paged_decode_kernel[(programs,)](
-        q, k, v, out, out, indices, tasks, info, part_o, part_lse, counters,
+        q, k, v, out, out, indices, qo_indptr, tasks, info, part_o, part_lse, counters, row_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, sm_scale * LOG2_E,
         **decode_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
                             head_dim=head_dim, page_size=page_size, block_n=block_n,
-                            return_lse=False, upcast=interpreting()),
+                            return_lse=False, upcast=interpreting(), max_queries=max_queries),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k, v, indices, tasks, info, part_o, part_lse, counters, cache_strides,
-                       sm_scale, num_kv_heads, page_size, programs, block_n, num_warps, num_stages):
+def _paged_decode_fake(q, k, v, indices, qo_indptr, tasks, info, part_o, part_lse, counters,
+                       row_lens, cache_strides, sm_scale, num_kv_heads, page_size, programs,
+                       block_n, num_warps, num_stages, max_queries):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -77,6 +80,10 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, *, kv_layout: str) -
     ws, cfg, guard = plan.workspace, plan.config, plan.guard
     if guard is not None:   # a trusted table: its copy, at every layer (no host state when traced)
         guard_pages(*guard.leading, *guard.fixed, k.shape[0], guard.page_size, guard.csr)
-    return paged_decode(q, k, v, plan.indices, ws.tasks, ws.info, ws.part_o, ws.part_lse,
-                        ws.counters, strides, plan.sm_scale, plan.num_kv_heads, plan.page_size,
-                        plan.programs, cfg.block_n, cfg.num_warps, cfg.num_stages)
+    queries = plan.queries
+    return paged_decode(q, k, v, plan.indices,
+                        plan.indices if queries is None else queries.indptr, ws.tasks, ws.info,
+                        ws.part_o, ws.part_lse, ws.counters, ws.row_lens, strides, plan.sm_scale,
+                        plan.num_kv_heads, plan.page_size, plan.programs, cfg.block_n,
+                        cfg.num_warps, cfg.num_stages,
+                        1 if queries is None else queries.max_per_row)

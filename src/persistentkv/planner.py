@@ -19,6 +19,7 @@ from .kernels.plan import INFO_FIELDS, POLICY_EDGES, TASK_FIELDS, plan_kernel
 from .guard import PageGuard, guarded_extent
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
+from .queries import QueryLayout
 from .policy import EDGES, Policy, fallback_choice, load_policy
 from .runtime import next_power_of_2, sm_count
 from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
@@ -49,7 +50,8 @@ class Workspace:
     [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
     partial outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
     [capacity * Hkv], by partial slot (zero between launches), and the page guard's copy of a
-    trusted page table, int32 [entries] (guard.py). `generation` counts the reallocations."""
+    trusted page table, int32 [entries] (guard.py), and the rows' lengths int32 [rows] (the
+    planner's). `generation` counts the reallocations."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -59,6 +61,7 @@ class Workspace:
         self.part_lse = torch.empty(0, dtype=torch.float32, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.safe_pages = torch.zeros(0, dtype=torch.int32, device=device)
+        self.row_lens = torch.zeros(0, dtype=torch.int32, device=device)
         self.generation = 0
 
     @property
@@ -66,19 +69,22 @@ class Workspace:
         return self.tasks.shape[0]
 
     def fits(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int,
-             pages: int) -> bool:
+             pages: int, rows: int) -> bool:
         capacity = self.tasks.shape[0]
         slots = capacity * partial_heads   # the kernel may use every task's slot
         return (capacity >= tasks and self.part_lse.numel() >= slots
                 and self.part_o.numel() >= slots * head_dim
                 and self.counters.numel() >= capacity * kv_heads
-                and self.safe_pages.numel() >= pages)
+                and self.safe_pages.numel() >= pages and self.row_lens.numel() >= rows)
 
     def reserve(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int,
-                pages: int) -> None:
-        """Room for `tasks` task records, their partials and merge counters, and a copy of
-        `pages` page-table entries."""
+                pages: int, rows: int) -> None:
+        """Room for `tasks` task records, their partials (partial_heads rows each) and merge
+        counters, a copy of `pages` page-table entries, and `rows` row lengths."""
         grown = False
+        if self.row_lens.numel() < rows:
+            self.row_lens = torch.zeros(rows, dtype=torch.int32, device=self.device)
+            grown = True
         if self.safe_pages.numel() < pages:
             self.safe_pages = torch.zeros(pages, dtype=torch.int32, device=self.device)
             grown = True
@@ -117,6 +123,8 @@ class DecodePlan:
     programs: int                # persistent programs of run()'s launch
     max_page_index: int          # largest used page index, -1 when not read (trusted)
     guard: PageGuard | None      # trusted tables: run() reads the guard's copy of `indices`
+    queries: QueryLayout | None  # several query tokens per row (qo_indptr), else one
+    total_queries: int           # q.shape[0] at run(): batch_size, or qo_indptr[B]
     launch_key: tuple
 
     def info(self) -> dict:
@@ -171,8 +179,10 @@ class Planner:
             memo[3].guard.arm()
         return memo[3]
 
-    def plan(self, tensors: tuple, table: PageTableArgs, options: PlanOptions) -> DecodePlan:
-        """Plan a step from its checked page table; `tensors` as the caller gave them."""
+    def plan(self, tensors: tuple, table: PageTableArgs, options: PlanOptions,
+             queries: QueryLayout | None = None) -> DecodePlan:
+        """Plan a step from its checked page table (and query layout, several query tokens per
+        row); `tensors` as the caller gave them."""
         device, ws = table.device, self.workspace
         if self.fixed_rows is not None and table.rows != self.fixed_rows:
             raise ValueError(f"graph mode takes page tables of max_batch_size={self.fixed_rows} "
@@ -184,13 +194,14 @@ class Planner:
         if setup is None:
             setup = self._setups[options, device] = self._setup(options, device)
         codes, target, chunks, fixed_tail = setup
+        q_pad = 1 if queries is None else queries.max_per_row
         rows = self.fixed_rows or table.rows
         pages = self.fixed_pages or table.pages
         need = dict(tasks=max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
                                          chunks=chunks, max_row_pages=table.max_row_pages)
                               for c in codes),
-                    partial_heads=options.num_qo_heads, head_dim=options.head_dim,
-                    kv_heads=options.num_kv_heads,
+                    partial_heads=options.num_qo_heads * q_pad, head_dim=options.head_dim,
+                    kv_heads=options.num_kv_heads, rows=rows,
                     pages=0 if options.check_page_table else max(guarded_extent(table),
                                                                   self.fixed_pages or 0))
         if ws is None or ws.device != device:
@@ -222,10 +233,12 @@ class Planner:
             page_size=options.page_size, sm_scale=options.sm_scale, config=options.config,
             choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
             workspace=ws, programs=programs, max_page_index=table.max_page, guard=guard,
-            launch_key=(id(ws), ws.generation, options, programs, table.max_page))
+            queries=queries, total_queries=table.rows if queries is None else queries.total,
+            launch_key=(id(ws), ws.generation, options, programs, table.max_page, q_pad,
+                        None if queries is None else queries.indptr.data_ptr() % 16))
         call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])
         launch.with_pointers(*call)
-        on_device = all(t is None or t.device == device for t in tensors)
+        on_device = queries is None and all(t is None or t.device == device for t in tensors)
         self._memo = (tensors, tuple(None if t is None else t.shape for t in tensors), options,
                       plan, launch, call) if on_device else None
         return plan
@@ -263,7 +276,8 @@ class Planner:
                           EDGES=POLICY_EDGES)
         key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,
-                                   fixed=(edges, dense, ws.tasks, ws.info, ws.capacity, *tail),
+                                   fixed=(edges, dense, ws.tasks, ws.info, ws.row_lens, ws.capacity,
+                                      *tail),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
                                    device_index=table.device.index)
 

@@ -23,20 +23,25 @@ def _split_pool(kv_cache, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float | None = None,
                      kv_indptr=None, kv_indices=None, kv_last_page_len=None,
-                     block_table=None, seq_lens=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact decode attention. q: [B, Hq, D]. Returns (out [B, Hq, D] float64, lse [B, Hq] float64).
+                     block_table=None, seq_lens=None,
+                     qo_indptr=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact decode attention. q: [B, Hq, D], or [qo_indptr[B], Hq, D] with qo_indptr (row b's
+    queries q[qo_indptr[b]:qo_indptr[b+1]] are its last n tokens; query j sees positions
+    < length - n + j + 1). Returns (out like q in float64, lse [q.shape[0], Hq] float64).
 
     lse is the natural-log log-sum-exp of the scaled scores, sm_scale * q.k. Give the page table as
     CSR (kv_indptr, kv_indices, kv_last_page_len) or as (block_table, seq_lens).
     """
     k_pool, v_pool = _split_pool(kv_cache, layout)
-    batch, num_qo_heads, head_dim = q.shape
+    total, num_qo_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     group = num_qo_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    out = torch.empty(batch, num_qo_heads, head_dim, dtype=torch.float64, device=q.device)
-    lse = torch.empty(batch, num_qo_heads, dtype=torch.float64, device=q.device)
-    for row in range(batch):
+    rows = len(seq_lens) if block_table is not None else len(kv_indptr) - 1
+    starts = list(range(rows + 1)) if qo_indptr is None else [int(x) for x in qo_indptr]
+    out = torch.empty(total, num_qo_heads, head_dim, dtype=torch.float64, device=q.device)
+    lse = torch.empty(total, num_qo_heads, dtype=torch.float64, device=q.device)
+    for row in range(rows):
         if block_table is not None:
             length = int(seq_lens[row])
             pages = block_table[row, : -(-length // page_size)].long()
@@ -48,11 +53,15 @@ def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float 
         keys = k_pool[pages].reshape(-1, num_kv_heads, head_dim)[:length].double()    # [L, Hkv, D]
         values = v_pool[pages].reshape(-1, num_kv_heads, head_dim)[:length].double()  # [L, Hkv, D]
         keys, values = keys.to(q.device), values.to(q.device)
-        qg = q[row].double().view(num_kv_heads, group, head_dim)                         # [Hkv, G, D]
-        scores = torch.einsum("kgd,lkd->kgl", qg, keys) * scale                           # [Hkv, G, L]
-        lse[row] = torch.logsumexp(scores, dim=2).reshape(num_qo_heads)
-        probs = torch.softmax(scores, dim=2)
-        out[row] = torch.einsum("kgl,lkd->kgd", probs, values).reshape(num_qo_heads, head_dim)
+        first, n = starts[row], starts[row + 1] - starts[row]
+        for j in range(n):
+            seen = length - n + j + 1
+            qg = q[first + j].double().view(num_kv_heads, group, head_dim)               # [Hkv, G, D]
+            scores = torch.einsum("kgd,lkd->kgl", qg, keys[:seen]) * scale                # [Hkv, G, L]
+            lse[first + j] = torch.logsumexp(scores, dim=2).reshape(num_qo_heads)
+            probs = torch.softmax(scores, dim=2)
+            out[first + j] = torch.einsum("kgl,lkd->kgd", probs,
+                                          values[:seen]).reshape(num_qo_heads, head_dim)
     return out, lse
 
 

@@ -21,6 +21,7 @@ from .launch import DecodeLauncher
 from .page_inputs import page_table_args
 from .planner import DecodePlan, Planner, PlanOptions
 from .policy import Policy
+from .queries import host_seq_lens, query_layout
 from .runtime import check_interpreter_numpy
 from .schedule import DETERMINISTIC_SPLIT_TOKENS, SCHEDULES, Choice
 from .tuning import KernelConfig, default_config
@@ -99,7 +100,8 @@ class DecodeWrapper:
              head_dim: int, page_size: int, backend: str = "auto",
              split_pages: int | None = None, sm_scale: float | None = None,
              config: KernelConfig | None = None, deterministic: bool = False,
-             check_page_table: bool = False) -> DecodePlan:
+             check_page_table: bool = False,
+             qo_indptr: torch.Tensor | None = None) -> DecodePlan:
         """Plan one decode step from a CSR page table or from block_table + seq_lens.
 
         CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
@@ -116,6 +118,10 @@ class DecodeWrapper:
         is in the batch. check_page_table=True reads the page table back to check its values
         (lengths, offsets, page indices against the pool at run()): a synchronization. Without
         it the table is trusted, as FlashInfer and vLLM trust theirs.
+        qo_indptr int32 [B+1] (host or device; its values are read on the host): several query
+        tokens per row, q[qo_indptr[b]:qo_indptr[b+1]] of q [qo_indptr[B], Hq, D] are row b's
+        last tokens (already in the cache), causal: query j of n sees positions
+        < seq_len - n + j + 1 (queries.py; up to 16 per row; not yet in graph mode).
         """
         check_interpreter_numpy()
         raw = (num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
@@ -132,7 +138,7 @@ class DecodeWrapper:
             if key is not None:
                 self._options[key] = options
         tensors = (kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens)
-        plan = self._planner.replan(tensors, options)
+        plan = None if qo_indptr is not None else self._planner.replan(tensors, options)
         if plan is None:
             table = page_table_args(kv_indptr=kv_indptr, kv_indices=kv_indices,
                                     kv_last_page_len=kv_last_page_len, block_table=block_table,
@@ -141,7 +147,18 @@ class DecodeWrapper:
             if self._device is not None and table.device != self._device:
                 raise ValueError(f"page table is on {table.device}, but the wrapper was built for "
                                  f"{self._device}")
-            plan = self._planner.plan(tensors, table, options)
+            queries = None
+            if qo_indptr is not None:
+                if self.max_batch_size is not None:
+                    raise ValueError("qo_indptr (several query tokens per row) is not supported "
+                                     "in graph mode yet: use a DecodeWrapper without "
+                                     "use_cuda_graph")
+                queries = query_layout(
+                    qo_indptr, rows=table.rows, group=options.num_qo_heads // options.num_kv_heads,
+                    device=table.device,
+                    seq_lens=host_seq_lens(kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len,
+                                           seq_lens=seq_lens, page_size=options.page_size))
+            plan = self._planner.plan(tensors, table, options, queries)
         self._plan = plan
         return plan
 

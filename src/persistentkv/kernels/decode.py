@@ -20,11 +20,15 @@ ONE_LEVEL_SPLITS = tl.constexpr(16)   # rows of more splits merge in two levels 
 
 
 @triton.jit
-def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi,
+def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
                   stride_page, stride_tok, offs_d, d_mask, scale_log2,
                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
-    """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi)."""
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi).
+
+    CAUSAL: tile row r sees positions <= limit[r] only. A hidden score is -1e30, not -inf, so
+    that a tile hiding a whole row stays finite; a row that sees none of [tok_lo, tok_hi) holds
+    garbage, which the caller drops (its lse is set to -inf)."""
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -48,59 +52,88 @@ def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi,
             v = v.to(tl.float32)
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        scores = scores * scale_log2
+        if CAUSAL:
+            scores = tl.where(tok[None, :] <= limit[:, None], scores, -1e30)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask, g_mask,
-                 NUM_QO_HEADS: tl.constexpr, RETURN_LSE: tl.constexpr):
-    dst = out_ptr + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+def _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
+                 g_mask, NUM_QO_HEADS: tl.constexpr, RETURN_LSE: tl.constexpr):
+    """Tile row r -> out[q_rows[r], heads[r]] (and lse)."""
+    q_rows = q_rows.to(tl.int64)
+    dst = out_ptr + q_rows[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask)
     if RETURN_LSE:  # natural log
-        tl.store(lse_ptr + row.to(tl.int64) * NUM_QO_HEADS + heads, lse2 * 0.6931471805599453,
-                 mask=g_mask)
+        tl.store(lse_ptr + q_rows * NUM_QO_HEADS + heads, lse2 * 0.6931471805599453, mask=g_mask)
 
 
 @triton.jit
 def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
-                 q_ptr, k_ptr, v_ptr, indices_ptr,
-                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+                 q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                  stride_qb, stride_qh, stride_ob, stride_oh,
                  stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
+                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
+                 G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
-    """One (row, KV head, split) task; the last split of a row to finish merges the row."""
+    """One (row, KV head, split) task; the last split of a row to finish merges the row.
+
+    Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
+    and query head kv_head * GROUP + m % GROUP."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
-    offs_g = tl.arange(0, G_PAD)
+    offs_m = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    g_mask = offs_g < GROUP
+    q_start, n_q, limit = _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP, Q_PAD)
+    g_mask = (offs_m // GROUP < n_q) & (offs_m < Q_PAD * GROUP)
     d_mask = offs_d < HEAD_DIM
     mask = g_mask[:, None] & d_mask[None, :]
-    heads = kv_head * GROUP + offs_g                                                   # [G_PAD]
-    q = tl.load(q_ptr + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask, other=0.0)                                                   # [G_PAD, D]
+    heads = kv_head * GROUP + offs_m % GROUP                                           # [G_PAD]
+    q_rows = q_start + offs_m // GROUP                                                 # [G_PAD]
+    q = tl.load(q_ptr + q_rows.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=mask, other=0.0)                                # [G_PAD, D]
     if UPCAST:
         q = q.to(tl.float32)
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
     acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
-                                  page_start.to(tl.int64), tok_lo, tok_hi, stride_page, stride_tok,
-                                  offs_d, d_mask, scale_log2, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N,
-                                  UPCAST)
+                                  page_start.to(tl.int64), tok_lo, tok_hi, limit, stride_page,
+                                  stride_tok, offs_d, d_mask, scale_log2, G_PAD, D_PAD, PAGE_SIZE,
+                                  BLOCK_N, Q_PAD > 1, UPCAST)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse2 = m_i + tl.math.log2(l_safe)
+    if Q_PAD > 1:                           # a query that sees none of this task's tokens
+        seen = limit >= tok_lo
+        lse2 = tl.where(seen, lse2, float("-inf"))
+        o = tl.where(seen[:, None], o, 0.0)
     if slot_start < 0:                      # the row is one task: write the output directly
-        _store_final(o, lse2, row, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
+        _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
                      g_mask, NUM_QO_HEADS, RETURN_LSE)
     else:                                   # write the partial; the task completing them merges
-        _merge_split(o, lse2, row, kv_head, split, slot_start, num_splits, heads, offs_d, mask,
-                     g_mask, d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
-                     stride_ob, stride_oh, NUM_KV_HEADS, GROUP, HEAD_DIM, D_PAD, G_MERGE,
-                     RETURN_LSE)
+        _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q,
+                     offs_m // GROUP * NUM_QO_HEADS + heads, offs_d, mask, g_mask, d_mask,
+                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, stride_ob,
+                     stride_oh, NUM_KV_HEADS, GROUP, Q_PAD, HEAD_DIM, D_PAD, G_MERGE, RETURN_LSE)
+
+
+@triton.jit
+def _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP: tl.constexpr,
+                 Q_PAD: tl.constexpr):
+    """(first query token of the row, its query count, per tile row the last KV position it
+    sees): query j of n sees positions < seq_len - n + j + 1. Decode (Q_PAD 1): (row, 1, -)."""
+    if Q_PAD > 1:
+        q_start = tl.load(qo_indptr_ptr + row)
+        n_q = tl.load(qo_indptr_ptr + row + 1) - q_start
+        limit = tl.load(row_lens_ptr + row) - n_q + offs_m // GROUP
+    else:
+        q_start = row
+        n_q = row * 0 + 1
+        limit = offs_m
+    return q_start, n_q, limit
 
 
 @triton.jit
@@ -115,34 +148,39 @@ def _arrive(counter_ptr, expected):
 
 
 @triton.jit
-def _store_partial(o, lse2, slot, heads, offs_d, mask, g_mask, part_o_ptr, part_lse_ptr,
-                   NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _store_partial(o, lse2, slot, part_rows, offs_d, mask, g_mask, part_o_ptr, part_lse_ptr,
+                   SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Tile row r -> row part_rows[r] of partial slot `slot` (SLOT_ROWS rows per slot)."""
     slot = slot.to(tl.int64)
-    tl.store(part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :], o,
+    tl.store(part_o_ptr + (slot * SLOT_ROWS + part_rows[:, None]) * HEAD_DIM + offs_d[None, :], o,
              mask=mask)
-    tl.store(part_lse_ptr + slot * NUM_QO_HEADS + heads, lse2, mask=g_mask)
+    tl.store(part_lse_ptr + slot * SLOT_ROWS + part_rows, lse2, mask=g_mask)
     tl.debug_barrier()                      # every thread's stores precede the release
 
 
 @triton.jit
-def _merge_split(o, lse2, row, kv_head, split, slot_start, num_splits, heads, offs_d, mask, g_mask,
-                 d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
-                 stride_ob, stride_oh, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, G_MERGE: tl.constexpr,
-                 RETURN_LSE: tl.constexpr):
+def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, part_rows,
+                 offs_d, mask, g_mask, d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+                 counters_ptr, stride_ob, stride_oh, NUM_KV_HEADS: tl.constexpr,
+                 GROUP: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 D_PAD: tl.constexpr, G_MERGE: tl.constexpr, RETURN_LSE: tl.constexpr):
     """Write split `split`'s partial to slot slot_start + split; the task that completes a row's
     partials merges them. A row of more than ONE_LEVEL_SPLITS splits S merges in two levels of
     about sqrt(S) partials each, not one of S (one program's merge is a chain of memory round
     trips): each group of ceil(sqrt(S)) splits is merged by the task completing it into the
-    group's first slot, and the task completing the groups merges those. Counters (int32 [slots, NUM_KV_HEADS], by slot): a group's at its first slot, the row's
-    at the row's first slot, or its second one when it merges in two levels."""
+    group's first slot, and the task completing the groups merges those. Counters (int32
+    [slots, NUM_KV_HEADS], by slot): a group's at its first slot, the row's at the row's first
+    slot, or its second one when it merges in two levels. A slot holds Q_PAD x Hq rows (query
+    token j, head h at j * Hq + h); the merge tile has G_MERGE >= Q_PAD x GROUP rows."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
-    _store_partial(o, lse2, slot_start + split, heads, offs_d, mask, g_mask, part_o_ptr,
-                   part_lse_ptr, NUM_QO_HEADS, HEAD_DIM)
+    SLOT_ROWS: tl.constexpr = Q_PAD * NUM_QO_HEADS
+    _store_partial(o, lse2, slot_start + split, part_rows, offs_d, mask, g_mask, part_o_ptr,
+                   part_lse_ptr, SLOT_ROWS, HEAD_DIM)
     offs_m = tl.arange(0, G_MERGE)
-    m_mask = offs_m < GROUP
+    m_mask = (offs_m // GROUP < n_q) & (offs_m < Q_PAD * GROUP)
     merge_mask = m_mask[:, None] & d_mask[None, :]
-    first_head = kv_head * GROUP
+    merge_heads = kv_head * GROUP + offs_m % GROUP
+    merge_rows = offs_m // GROUP * NUM_QO_HEADS + merge_heads
     ready = num_splits > 0
     count = num_splits
     stride = num_splits * 0 + 1
@@ -154,23 +192,24 @@ def _merge_split(o, lse2, row, kv_head, split, slot_start, num_splits, heads, of
         ready = _arrive(counters_ptr + (slot_start + first) * NUM_KV_HEADS + kv_head, members)
         if ready:
             o_g, lse_g = merge_partials(part_o_ptr, part_lse_ptr, (slot_start + first).to(tl.int64),
-                                        members, 1, first_head, NUM_QO_HEADS, GROUP, G_MERGE,
+                                        members, 1, merge_rows, m_mask, SLOT_ROWS, G_MERGE,
                                         HEAD_DIM, D_PAD)
             # the group's result overwrites its first partial: every thread's loads of it first
             # (a value is held by several threads where the tile has fewer elements than threads)
             tl.debug_barrier()
-            _store_partial(o_g, lse_g, slot_start + first, first_head + offs_m, offs_d, merge_mask,
-                           m_mask, part_o_ptr, part_lse_ptr, NUM_QO_HEADS, HEAD_DIM)
+            _store_partial(o_g, lse_g, slot_start + first, merge_rows, offs_d, merge_mask,
+                           m_mask, part_o_ptr, part_lse_ptr, SLOT_ROWS, HEAD_DIM)
         count = tl.cdiv(num_splits, fanin)
         stride = fanin
         row_counter = slot_start + 1
     if ready:
         if _arrive(counters_ptr + row_counter * NUM_KV_HEADS + kv_head, count):
             o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
-                                            count, stride, first_head, NUM_QO_HEADS, GROUP,
+                                            count, stride, merge_rows, m_mask, SLOT_ROWS,
                                             G_MERGE, HEAD_DIM, D_PAD)
-            _store_final(o_row, lse_row, row, first_head + offs_m, out_ptr, lse_ptr, stride_ob,
-                         stride_oh, offs_d, merge_mask, m_mask, NUM_QO_HEADS, RETURN_LSE)
+            _store_final(o_row, lse_row, q_start + offs_m // GROUP, merge_heads, out_ptr,
+                         lse_ptr, stride_ob, stride_oh, offs_d, merge_mask, m_mask, NUM_QO_HEADS,
+                         RETURN_LSE)
 
 
 @triton.jit
@@ -185,13 +224,13 @@ def _load_task(tasks_ptr, record, valid):
 
 
 @triton.jit
-def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
-                        tasks_ptr, info_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr,
+                        tasks_ptr, info_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
+                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
+                        G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
 
@@ -221,31 +260,31 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
         # small steps than a loop run once.
         if item < tl.where(chained > 0, chained, num_items):
             _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr,
-                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                         NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                         NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                          G_MERGE, RETURN_LSE, UPCAST)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
                 _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
-                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr,
-                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                              stride_qb, stride_qh, stride_ob, stride_oh,
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                             NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                             NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                              G_MERGE, RETURN_LSE, UPCAST)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
             _decode_task(row, item % NUM_KV_HEADS, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr,
-                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                         NUM_KV_HEADS, GROUP, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                         NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                          G_MERGE, RETURN_LSE, UPCAST)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
@@ -255,9 +294,11 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr,
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
-                      return_lse: bool, upcast: bool) -> dict:
-    """paged_decode_kernel's compile-time arguments, in signature order."""
-    return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
-                HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size,
-                BLOCK_N=block_n, G_MERGE=next_power_of_2(group), RETURN_LSE=return_lse,
-                UPCAST=upcast)
+                      return_lse: bool, upcast: bool, max_queries: int = 1) -> dict:
+    """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
+    query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows."""
+    rows = max_queries * group
+    return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
+                G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
+                D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
+                G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast)

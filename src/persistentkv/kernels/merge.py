@@ -6,32 +6,29 @@ MERGE_UNROLL = tl.constexpr(4)   # partials in flight (measured against 1 and 8:
 
 
 @triton.jit
-def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, first_head,
-                   NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, G_MERGE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """Exact merge of the partials in slots first_slot + i * slot_stride, i < count, for heads
-    first_head .. first_head + GROUP - 1.
+def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, rows, row_mask,
+                   SLOT_ROWS: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr):
+    """Exact merge of the partials in slots first_slot + i * slot_stride, i < count, for the slot
+    rows `rows` [G_MERGE] (row_mask: which are real).
 
-    Partials: o fp32 [slots, Hq, HEAD_DIM] (normalized), lse2 fp32 [slots, Hq] (base 2). One
-    partial per step, the group padded only to a power of two (G_MERGE), not to the 16 rows of
-    tl.dot; the loop is unrolled MERGE_UNROLL times, so that that many partials' loads are in
-    flight at once (a partial's loads do not depend on the running state). The loads skip L1
-    (.cg): other programs wrote these partials during this launch.
-    Returns (o [G_MERGE, D_PAD], lse2 [G_MERGE]); rows past GROUP are padding.
+    Partials: o fp32 [slots, SLOT_ROWS, HEAD_DIM] (normalized), lse2 fp32 [slots, SLOT_ROWS]
+    (base 2). One partial per step, the tile padded only to a power of two (G_MERGE), not to the
+    16 rows of tl.dot; the loop is unrolled MERGE_UNROLL times, so that that many partials' loads
+    are in flight at once (a partial's loads do not depend on the running state). The loads skip
+    L1 (.cg): other programs wrote these partials during this launch.
+    Returns (o [G_MERGE, D_PAD], lse2 [G_MERGE]); rows not in row_mask are padding.
     """
-    offs_g = tl.arange(0, G_MERGE)
     offs_d = tl.arange(0, D_PAD)
-    heads = first_head + offs_g
-    g_mask = offs_g < GROUP
-    hd_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    hd_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
     m = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
     total = tl.zeros([G_MERGE], dtype=tl.float32)
     for i in tl.range(0, count, loop_unroll_factor=MERGE_UNROLL):
         slot = first_slot + i * slot_stride
-        lse = tl.load(part_lse_ptr + slot * NUM_QO_HEADS + heads, mask=g_mask, other=float("-inf"),
+        lse = tl.load(part_lse_ptr + slot * SLOT_ROWS + rows, mask=row_mask, other=float("-inf"),
                       cache_modifier=".cg")                                           # [G]
-        o = tl.load(part_o_ptr + (slot * NUM_QO_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :],
+        o = tl.load(part_o_ptr + (slot * SLOT_ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :],
                     mask=hd_mask, other=0.0, cache_modifier=".cg")                   # [G, D]
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # padding heads stay at -inf

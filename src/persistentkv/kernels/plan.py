@@ -111,13 +111,15 @@ def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pag
                                "min_split_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins"])
 def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
-                block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, task_capacity,
+                block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
+                task_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, whole_row_min_rows,
                 whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
                 EDGES: tl.constexpr):
-    """Program b writes row b's tasks; program 0 also writes the plan info.
+    """Program b writes row b's tasks and its length (row_lens[b], the causal mask of several
+    query tokens reads it); program 0 also writes the plan info.
 
     Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
     pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
@@ -166,6 +168,7 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     mine = offs == row
     my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
     my_start = tl.sum(tl.where(mine, lo, 0), axis=0)
+    tl.store(row_lens_ptr + row, my_len, mask=row < num_rows)
     if code == BALANCED:
         num_tasks, split, num_chunks, fits = _plan_balanced(
             tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity, chunk_target,

@@ -1,0 +1,81 @@
+"""Several query tokens per row (speculative-decoding verification, short chunks): qo_indptr.
+
+Row b's queries are q[qo_indptr[b]:qo_indptr[b+1]] of q [total_q, Hq, D]: the row's last n_b
+tokens, whose K/V are already in the cache. Query j (0-based, of n_b) attends the KV positions
+< seq_len - n_b + j + 1 (causal). The kernel packs a row's n_b tokens x the G query heads of a KV
+head into the rows of one tile, so each K/V tile is still loaded once for all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .checks import check_tensor
+from .page_inputs import host_values
+from .runtime import next_power_of_2
+
+MAX_QUERIES_PER_ROW = 16
+MAX_TILE_ROWS = 128          # query tokens x group in one tile
+
+
+@dataclass(frozen=True)
+class QueryLayout:
+    """A step's query tokens: indptr int32 [B+1] on the kernels' device, total = indptr[B]
+    (q.shape[0] at run()), max_per_row = the tile's query tokens per row (a power of two >= the
+    most of any row)."""
+
+    indptr: torch.Tensor
+    total: int
+    max_per_row: int
+
+
+def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.device,
+                 seq_lens: np.ndarray | None) -> QueryLayout:
+    """qo_indptr checked (its values are read on the host: a synchronization if it is on the
+    device); seq_lens, where known on the host, bound each row's queries."""
+    check_tensor("qo_indptr", qo_indptr, dtype=torch.int32, dim=1)
+    if qo_indptr.shape[0] != rows + 1:
+        raise ValueError(f"qo_indptr must have batch_size + 1 = {rows + 1} entries, got "
+                         f"{qo_indptr.shape[0]}")
+    if qo_indptr.device.type != "cpu" and qo_indptr.device != device:
+        raise ValueError(f"qo_indptr is on {qo_indptr.device}: it must be on the host or on the "
+                         f"page table's device {device}")
+    (indptr,) = host_values(qo_indptr)
+    if indptr[0] != 0:
+        raise ValueError(f"qo_indptr must start at 0, got qo_indptr[0]={indptr[0]}")
+    counts = np.diff(indptr)
+    if (counts < 0).any():
+        r = int(np.flatnonzero(counts < 0)[0])
+        raise ValueError(f"qo_indptr must be non-decreasing, got qo_indptr[{r}]={indptr[r]} > "
+                         f"qo_indptr[{r + 1}]={indptr[r + 1]}")
+    most = int(counts.max()) if rows else 0
+    if most > MAX_QUERIES_PER_ROW or next_power_of_2(max(most, 1)) * group > MAX_TILE_ROWS:
+        raise ValueError(f"a row has {most} query tokens: at most {MAX_QUERIES_PER_ROW} per row, "
+                         f"and at most {MAX_TILE_ROWS} query tokens x group "
+                         f"(group {group}) are supported")
+    if seq_lens is not None:
+        over = np.flatnonzero(counts > seq_lens)
+        if len(over):
+            r = int(over[0])
+            raise ValueError(f"row {r} has {counts[r]} query tokens (qo_indptr) but only "
+                             f"{seq_lens[r]} tokens in the cache: its queries must be among them")
+    on_device = qo_indptr if qo_indptr.device == device else (
+        qo_indptr.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
+        else qo_indptr.to(device))
+    one_each = bool((counts == 1).all())      # plain decode: the one-token kernel
+    return QueryLayout(indptr=on_device, total=int(indptr[-1]),
+                       max_per_row=1 if one_each else max(2, next_power_of_2(max(most, 1))))
+
+
+def host_seq_lens(*, kv_indptr=None, kv_last_page_len=None, seq_lens=None,
+                  page_size: int) -> np.ndarray | None:
+    """The rows' lengths when the tensors that give them are on the host (no device read), else
+    None."""
+    if seq_lens is not None:
+        return seq_lens.numpy().astype(np.int64) if seq_lens.device.type == "cpu" else None
+    if kv_indptr is None or kv_indptr.device.type != "cpu" or kv_last_page_len.device.type != "cpu":
+        return None
+    pages = np.diff(kv_indptr.numpy().astype(np.int64))
+    return np.where(pages > 0, (pages - 1) * page_size + kv_last_page_len.numpy(), 0)

@@ -1,0 +1,104 @@
+"""Several query tokens per row (qo_indptr): causal attention of a row's last n tokens, against the
+float64 reference, in every schedule and table form; and the errors for a bad qo_indptr."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_case import DEVICE, block_kwargs, csr_kwargs, make_case
+from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
+
+HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+
+
+def _queries(case, q_lens, seed):
+    """q [sum(q_lens), Hq, D], unit variance, and qo_indptr int32 [B+1] on the host."""
+    gen = torch.Generator().manual_seed(seed)
+    total, (_, heads, dim) = sum(q_lens), case.q.shape
+    q = torch.randn(total, heads, dim, generator=gen).to(case.q.dtype).to(DEVICE)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    return q, indptr
+
+
+def _check(case, q_lens, *, backend, table_form="csr", split_pages=None, seed=0, heads=HEADS):
+    kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
+    q, qo_indptr = _queries(case, q_lens, seed)
+    wrapper = DecodeWrapper(case.layout)
+    wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr)
+    out = torch.full_like(q, float("nan"))
+    lse = wrapper.run(q, case.kv_cache, out=out, return_lse=True)[1]
+    ref, ref_lse = reference_decode(q, case.kv_cache, layout=case.layout,
+                                    qo_indptr=qo_indptr, **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[q.dtype], (q_lens, backend)
+    assert relative_error(lse, ref_lse) <= 1e-4, (q_lens, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_query_counts_every_schedule(backend):
+    """Rows of 1 to 7 queries, split into several tasks (2 pages a split) or whole."""
+    case = make_case(seq_lens=[70, 9, 130, 33], **HEADS, seed=1)
+    _check(case, [3, 1, 7, 4], backend=backend, split_pages=2 if backend == "split" else None)
+
+
+def test_queries_past_a_short_last_split():
+    """Splits of one page (16 tokens) and 16 queries: the early queries see nothing of the last
+    split and of part of the one before (their partials are empty and must not count)."""
+    case = make_case(seq_lens=[50, 37], **HEADS, seed=2)
+    _check(case, [16, 16], backend="split", split_pages=1, table_form="block")
+
+
+def test_one_query_per_row_is_plain_decode():
+    case = make_case(seq_lens=[40, 3, 90], **HEADS, seed=3)
+    q, qo_indptr = _queries(case, [1, 1, 1], 3)
+    wrapper = DecodeWrapper(case.layout)
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, qo_indptr=qo_indptr)
+    with_indptr = wrapper.run(q, case.kv_cache)
+    wrapper.plan(**csr_kwargs(case.table), **HEADS)
+    assert torch.equal(with_indptr, wrapper.run(q, case.kv_cache))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(st.data())
+def test_random_query_counts(data):
+    q_lens = data.draw(st.lists(st.integers(0, 16), min_size=1, max_size=3), label="q_lens")
+    seq_lens = [data.draw(st.integers(max(n, 1), 150), label="seq_len") for n in q_lens]
+    group = data.draw(st.sampled_from([1, 2, 4]), label="group")
+    heads = dict(num_qo_heads=2 * group, num_kv_heads=2, head_dim=32,
+                 page_size=data.draw(st.sampled_from([1, 8, 16]), label="page_size"))
+    backend = data.draw(st.sampled_from(BACKENDS), label="backend")
+    case = make_case(seq_lens=seq_lens, **heads,
+                     layout=data.draw(st.sampled_from(["HND", "NHD"]), label="layout"),
+                     seed=data.draw(st.integers(0, 2**16), label="seed"))
+    split = data.draw(st.integers(1, 4), label="split_pages") if backend == "split" else None
+    _check(case, q_lens, backend=backend, split_pages=split, heads=heads,
+           table_form=data.draw(st.sampled_from(["csr", "block"]), label="table_form"))
+
+
+@pytest.mark.parametrize("indptr, match", [
+    ([1, 2, 3], r"qo_indptr must start at 0, got qo_indptr\[0\]=1"),
+    ([0, 3, 2], r"qo_indptr must be non-decreasing, got qo_indptr\[1\]=3 > qo_indptr\[2\]=2"),
+    ([0, 5, 6], r"row 0 has 5 query tokens \(qo_indptr\) but only 4 tokens in the cache"),
+    ([0, 1], r"qo_indptr must have batch_size \+ 1 = 3 entries, got 2"),
+    ([0, 17, 18], r"a row has 17 query tokens: at most 16"),
+])
+def test_bad_qo_indptr(indptr, match):
+    case = make_case(seq_lens=[4, 30], **HEADS)
+    table = case.table
+    indptr_host, indices, last = table.csr(torch.device("cpu"))
+    with pytest.raises(ValueError, match=match):
+        DecodeWrapper("NHD").plan(kv_indptr=indptr_host, kv_indices=indices.to(DEVICE),
+                                  kv_last_page_len=last, **HEADS,
+                                  qo_indptr=torch.tensor(indptr, dtype=torch.int32))
+
+
+def test_qo_indptr_dtype_and_q_total():
+    case = make_case(seq_lens=[20, 30], **HEADS)
+    wrapper = DecodeWrapper("NHD")
+    with pytest.raises(TypeError, match="qo_indptr must have dtype torch.int32, got torch.int64"):
+        wrapper.plan(**csr_kwargs(case.table), **HEADS, qo_indptr=torch.tensor([0, 1, 3]))
+    wrapper.plan(**csr_kwargs(case.table), **HEADS,
+                 qo_indptr=torch.tensor([0, 1, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"q must be \[qo_indptr\[-1\], num_qo_heads, head_dim\] = "
+                                         r"\[3, 8, 64\] as planned, got \[2, 8, 64\]"):
+        wrapper.run(case.q, case.kv_cache)
