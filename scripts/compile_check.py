@@ -19,13 +19,15 @@ from persistentkv.tuning import default_config
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
             "tasks_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
-            "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32"}
+            "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
+            "qo_indptr_ptr": "*i32", "row_lens_ptr": "*i32"}
 
 
-def compile_decode(*, arch: int, group: int, head_dim: int, config=None):
+def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_queries: int = 1):
     cfg = config or default_config(head_dim=head_dim, num_kv_heads=8)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
-                                   block_n=cfg.block_n, return_lse=False, upcast=False)
+                                   block_n=cfg.block_n, return_lse=False, upcast=False,
+                                   max_queries=max_queries)
     names = paged_decode_kernel.arg_names
     signature = {}
     for name in names:
@@ -64,13 +66,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--quick", action="store_true", help="the reference shape (group 4, d 128) only")
+    parser.add_argument("--queries", action="store_true",
+                        help="group 4, d 128 with 2, 4, 8 and 16 query tokens per row")
     args = parser.parse_args()
-    shapes = ((4, 128),) if args.quick else ((4, 128), (1, 64), (8, 128), (16, 256))
-    for group, head_dim in shapes:
-        k = compile_decode(arch=args.arch, group=group, head_dim=head_dim)
+    shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
+    if args.queries:
+        shapes = tuple((4, 128, n) for n in (2, 4, 8, 16))
+    for group, head_dim, queries in shapes:
+        k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, max_queries=queries)
         ptx = k.asm["ptx"]
         waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
-        print(f"group {group:2d} d {head_dim:3d}: "
+        print(f"group {group:2d} d {head_dim:3d} queries {queries:2d}: "
               f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
               f"deepest wait_group {max(waits, default=-1)}")
