@@ -221,3 +221,24 @@ def test_config_variants_are_checked_like_the_defaults():
             make_backends([bad], layout="HND", device=device)
     with pytest.raises(ValueError, match="KernelConfig.num_warps must be a positive int, got 0"):
         make_backends(["pkv-split:warps0"], layout="HND", device=device)
+
+
+def test_static_batch_with_several_query_tokens_per_row():
+    """run_static with q_len 'mix': ours are checked against the causal reference; backends of
+    one query per row are reported unsupported, not timed."""
+    from persistentkv.bench.runner import query_counts
+
+    assert query_counts("1", [5, 9], seed=0) is None
+    assert query_counts("4", [3, 9], seed=0) == [3, 4]
+    assert all(2 <= n <= 8 for n in query_counts("mix", [100] * 20, seed=1))
+    opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1, q_len="mix")
+    backends, _ = make_backends(["pkv-split", "pkv-balanced", "padded-sdpa"], layout="NHD",
+                                device=torch.device("cuda" if ON_GPU else "cpu"))
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, layout="NHD")
+    measured = run_static("mix", [70, 20, 33], backends, shape=shape, opts=opts,
+                          device=torch.device("cuda" if ON_GPU else "cpu"))
+    status = {s["backend"]: s["status"] for s in measured.steps}
+    assert status == {"pkv-split": "ok", "pkv-balanced": "ok", "padded-sdpa": "unsupported"}
+    assert all(s["error"] < 2e-3 for s in measured.steps if s["status"] == "ok")
+    with pytest.raises(ValueError, match=r"q_len must be 1 to 16 or 'mix', got '17'"):
+        RunOptions(q_len="17")

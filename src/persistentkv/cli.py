@@ -99,8 +99,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench.suite import run_bench
 
     shapes = model_shapes(args)
+    if args.q_len != "1" and not args.grid:
+        raise ValueError(f"--q-len {args.q_len} applies to --grid (static batches), not to traces")
     opts = RunOptions(layers=args.layers, samples=args.samples, seed=args.seed,
-                      memory_budget_gb=args.memory_gb)
+                      memory_budget_gb=args.memory_gb, q_len=args.q_len)
     status = 0
     for preset, shape in shapes:
         status = max(status, run_bench(
@@ -207,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory-gb", type=float, default=60.0, help="budget for all layers' pools")
     bench.add_argument("--cells", help="comma-separated subset of the grid's cells, e.g. "
                                        "'B1 L32K,B8 zipf'")
+    bench.add_argument("--q-len", default="1",
+                       help="query tokens per row of the grid's batches (1-16, or 'mix': 2-8 per "
+                            "row; speculative-decoding verification); compare with fi-prefill")
     add_shape_arguments(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="results", help="folder for the JSON and CSV files")

@@ -20,7 +20,7 @@ from ..tuning import KernelConfig, default_config
 
 PKV_BACKENDS = (*SCHEDULES, "auto")   # DecodeWrapper.plan's backends (wrapper.BACKENDS, which
                                       # is not imported here: it imports triton)
-FLASHINFER_BACKENDS = ("fi-cuda-core", "fi-tensor-core", "fi-xqa")
+FLASHINFER_BACKENDS = ("fi-cuda-core", "fi-tensor-core", "fi-xqa", "fi-prefill")
 BASELINES = ("padded-sdpa", "per-sequence")
 ALL_BACKENDS = tuple(f"pkv-{b}" for b in PKV_BACKENDS) + FLASHINFER_BACKENDS + BASELINES
 
@@ -39,13 +39,19 @@ class StepInputs:
     block_table: torch.Tensor      # [B, max_pages]
     seq_lens: torch.Tensor         # [B]
     seq_lens_host: list[int]
-    queries: list[torch.Tensor]    # per layer [B, Hq, D]
+    queries: list[torch.Tensor]    # per layer [B, Hq, D], or [qo_indptr[B], Hq, D]
     pools: list[torch.Tensor]      # per layer [P, 2, ...] in `layout`
     layout: str
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     page_size: int
+    qo_indptr: torch.Tensor | None = None   # host int32 [B+1]: several query tokens per row
+
+    def one_query_per_row(self, backend: str) -> None:
+        """Unsupported for a backend that takes one query token per row, on a multi-token step."""
+        if self.qo_indptr is not None:
+            raise Unsupported(f"{backend} takes one query token per row")
 
     @property
     def batch_size(self) -> int:
@@ -123,7 +129,7 @@ class PersistentKV(Backend):
                           kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
                           page_size=step.page_size, backend=self.backend,
-                          split_pages=self.split_pages, config=config)
+                          split_pages=self.split_pages, config=config, qo_indptr=step.qo_indptr)
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
@@ -155,6 +161,7 @@ class FlashInferWrapper(Backend):
         self.use_tensor_cores = use_tensor_cores
 
     def plan(self, step: StepInputs) -> None:
+        step.one_query_per_row(self.name)
         group = step.num_qo_heads // step.num_kv_heads
         if not self.use_tensor_cores and group not in (1, 2, 3, 4, 6, 8):
             raise Unsupported(f"FlashInfer's CUDA-core decode does not serve group size {group}")
@@ -181,6 +188,7 @@ class FlashInferXQA(Backend):
         self.layout, self.workspace = layout, workspace
 
     def plan(self, step: StepInputs) -> None:
+        step.one_query_per_row(self.name)
         self.step = step
         self.max_seq_len = max(step.seq_lens_host, default=0)
         self.outs = [torch.empty_like(q) for q in step.queries]
@@ -190,6 +198,34 @@ class FlashInferXQA(Backend):
         return self.fn(s.queries[layer], s.pools[layer], self.workspace, s.block_table, s.seq_lens,
                        self.max_seq_len, bmm1_scale=s.sm_scale, bmm2_scale=1.0,
                        out=self.outs[layer], kv_layout=self.layout)
+
+
+class FlashInferPrefill(Backend):
+    """BatchPrefillWithPagedKVCacheWrapper (backend "fa2") with causal=True: FlashInfer's path
+    for several query tokens per row (the row's last ones, the causal mask aligned to the end)."""
+
+    name = "fi-prefill"
+
+    def __init__(self, *, layout: str, workspace: torch.Tensor):
+        import flashinfer
+
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, layout,
+                                                                       backend="fa2")
+
+    def plan(self, step: StepInputs) -> None:
+        self.step = step
+        dtype = step.queries[0].dtype
+        rows = step.batch_size
+        qo_indptr = (torch.arange(rows + 1, dtype=torch.int32) if step.qo_indptr is None
+                     else step.qo_indptr)
+        self.wrapper.plan(qo_indptr.to(step.kv_indptr.device), step.kv_indptr, step.kv_indices,
+                          step.kv_last_page_len, step.num_qo_heads, step.num_kv_heads,
+                          step.head_dim, step.page_size, causal=True, q_data_type=dtype,
+                          kv_data_type=dtype)
+        self.outs = [torch.empty_like(q) for q in step.queries]
+
+    def run(self, layer: int) -> torch.Tensor:
+        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
 
 
 def _token_index(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +252,7 @@ class PaddedSDPA(Backend):
     name = "padded-sdpa"
 
     def plan(self, step: StepInputs) -> None:
+        step.one_query_per_row(self.name)
         self.step = step
         index, valid = _token_index(step)
         self.index = index.reshape(-1)
@@ -240,6 +277,7 @@ class PerSequence(Backend):
     name = "per-sequence"
 
     def plan(self, step: StepInputs) -> None:
+        step.one_query_per_row(self.name)
         self.step = step
         index, _ = _token_index(step)
         self.rows = [index[r, :n] for r, n in enumerate(step.seq_lens_host)]
@@ -332,6 +370,7 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
                                                                 workspace=workspace())
         xqa_ws = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
         factories["fi-xqa"] = lambda: FlashInferXQA(layout=layout, workspace=xqa_ws)
+        factories["fi-prefill"] = lambda: FlashInferPrefill(layout=layout, workspace=workspace())
     for name in names:
         variant = _pkv_variant(name)
         if variant is not None:

@@ -40,7 +40,7 @@ def kv_bytes_per_layer(step: StepInputs) -> int:
 def reference_output(step: StepInputs) -> torch.Tensor:
     out, _ = reference_decode(step.queries[0], step.pools[0], layout=step.layout,
                               kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
-                              kv_last_page_len=step.kv_last_page_len)
+                              kv_last_page_len=step.kv_last_page_len, qo_indptr=step.qo_indptr)
     return out
 
 

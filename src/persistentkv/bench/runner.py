@@ -13,6 +13,7 @@ import torch
 
 from ..cache import PagedKVCache
 from ..checks import check_attention_shape
+from ..queries import MAX_QUERIES_PER_ROW
 from .backends import Backend, StepInputs
 from .measure import StepTiming, measure_step, reference_output, time_graphs
 from .traces import Trace, peak_tokens, replay
@@ -62,6 +63,7 @@ class RunOptions:
     check_every: int = 4            # check every n-th measured step against the reference
     memory_budget_gb: float = 60.0  # for all layers' pools together
     seed: int = 0
+    q_len: str = "1"                # query tokens per row of a static batch: "N", or "mix" (2-8)
 
     def __post_init__(self):
         for name in ("layers", "samples", "eager_reps", "check_every"):
@@ -72,6 +74,22 @@ class RunOptions:
             raise ValueError(f"graph_reps must be a non-negative int, got {self.graph_reps!r}")
         if not self.memory_budget_gb > 0:
             raise ValueError(f"memory budget must be > 0 GB, got {self.memory_budget_gb!r}")
+        if self.q_len != "mix" and not (isinstance(self.q_len, str) and self.q_len.isdigit()
+                                        and 1 <= int(self.q_len) <= MAX_QUERIES_PER_ROW):
+            raise ValueError(f"q_len must be 1 to {MAX_QUERIES_PER_ROW} or 'mix', got "
+                             f"{self.q_len!r}")
+
+
+def query_counts(q_len: str, seq_lens: list[int], *, seed: int) -> list[int] | None:
+    """Query tokens per row: None for plain decode ("1"), N for every row (at most its length),
+    or "mix": 2 to 8 per row, drawn with `seed`."""
+    if q_len == "1":
+        return None
+    if q_len == "mix":
+        counts = np.random.default_rng(seed).integers(2, 9, len(seq_lens)).tolist()
+    else:
+        counts = [int(q_len)] * len(seq_lens)
+    return [min(c, n) for c, n in zip(counts, seq_lens)]
 
 
 @dataclass
@@ -88,7 +106,8 @@ def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, R
     """The tiny shape and options of a run through the CPU interpreter (timings mean nothing)."""
     return (ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=shape.dtype,
                        layout=shape.layout),
-            RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1, seed=opts.seed))
+            RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1, seed=opts.seed,
+                       q_len=opts.q_len))
 
 
 def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions) -> int:
@@ -110,11 +129,15 @@ def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.
 
 
 def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
-                generator: torch.Generator) -> StepInputs:
+                generator: torch.Generator, q_counts: list[int] | None = None) -> StepInputs:
+    """A step's inputs; q_counts: query tokens per row (qo_indptr), default one."""
     table = cache.page_table(seq_ids)
     indptr, indices, last = table.csr(cache.device)
     block_table, seq_lens = table.block_table(cache.device)
-    queries = [torch.randn(len(seq_ids), shape.num_qo_heads, shape.head_dim, generator=generator,
+    total = len(seq_ids) if q_counts is None else sum(q_counts)
+    qo_indptr = None if q_counts is None else torch.tensor(
+        np.concatenate([[0], np.cumsum(q_counts)]), dtype=torch.int32)
+    queries = [torch.randn(total, shape.num_qo_heads, shape.head_dim, generator=generator,
                            dtype=torch.float32).to(cache.device, shape.dtype)
                for _ in range(cache.num_layers)]
     return StepInputs(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
@@ -122,7 +145,7 @@ def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
                       seq_lens_host=[int(x) for x in table.seq_lens], queries=queries,
                       pools=cache.pools, layout=shape.layout, num_qo_heads=shape.num_qo_heads,
                       num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                      page_size=shape.page_size)
+                      page_size=shape.page_size, qo_indptr=qo_indptr)
 
 
 def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts: RunOptions,
@@ -198,7 +221,8 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
         cache.add_sequence(i)
         cache.append_tokens(i, n)
     inputs = step_inputs(cache, list(range(len(seq_lens))), shape,
-                         torch.Generator().manual_seed(opts.seed))
+                         torch.Generator().manual_seed(opts.seed),
+                         query_counts(opts.q_len, seq_lens, seed=opts.seed))
     measured = Measured(name=name, batch_slots=len(seq_lens), layers=layers)
     for timing in measure_all(backends, inputs, check=True, opts=opts, dead=set()):
         measured.steps.append({"step": 0, **timing.as_dict(), "max_seq_len": max(seq_lens)})
