@@ -123,9 +123,94 @@ def test_torch_compile_with_queries():
     assert relative_error(attend(q, case.kv_cache), ref) <= TOLERANCE[q.dtype]
 
 
-def test_graph_mode_refuses_queries_for_now():
+def _fill_step(case, lens, counts, tensors, gen):
+    """Refill graph mode's static tensors in place for one step: the first pages of the case's
+    rows; returns the step's PageTable and its total of query tokens."""
+    from persistentkv import PageTable
+
+    indptr, indices, last, qo, q = tensors
+    pages = [case.table.row_pages[r][: -(-n // 16)] for r, n in enumerate(lens)]
+    table = PageTable(row_pages=tuple(pages), seq_lens=np.asarray(lens), page_size=16)
+    step_indptr, step_indices, step_last = table.csr(DEVICE)
+    indptr.copy_(step_indptr)
+    indices[: len(step_indices)].copy_(step_indices)
+    last.copy_(step_last)
+    qo.copy_(torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32))
+    total = int(sum(counts))
+    q.normal_(generator=gen)
+    return table, total
+
+
+def test_graph_mode_queries_refilled_in_place():
+    """Graph mode: qo_indptr is a static device tensor refilled in place like the page table (and,
+    on a GPU, plan + run captured once and replayed for a later step); rows of q past the step's
+    queries are left untouched."""
+    from paged_case import ON_GPU
+
+    case = make_case(seq_lens=[60, 45, 20], **HEADS, seed=7)
+    wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=3, max_num_pages=16,
+                            max_queries_per_row=4)
+    tensors = (torch.zeros(4, dtype=torch.int32, device=DEVICE),
+               torch.zeros(16, dtype=torch.int32, device=DEVICE),
+               torch.ones(3, dtype=torch.int32, device=DEVICE),
+               torch.zeros(4, dtype=torch.int32, device=DEVICE),
+               torch.zeros(12, 8, 64, dtype=torch.float16, device=DEVICE))
+    indptr, indices, last, qo, q = tensors
+    out = torch.empty_like(q)
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+
+    def step():
+        wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
+                     qo_indptr=qo)
+        wrapper.run(q, case.kv_cache, out=out)
+
+    graph = None
+    for lens, counts in (([60, 45, 20], [4, 1, 3]), ([30, 0, 20], [2, 0, 4]),
+                         ([17, 45, 3], [1, 4, 3])):
+        table, total = _fill_step(case, lens, counts, tensors, gen)
+        out.fill_(float("nan"))
+        if graph is not None:
+            graph.replay()
+        else:
+            step()
+            if ON_GPU:                       # capture once, replay for the later steps
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+        ref, _ = reference_decode(q[:total], case.kv_cache, layout="NHD", qo_indptr=qo.cpu(),
+                                  **csr_kwargs(table))
+        assert relative_error(out[:total], ref) <= TOLERANCE[torch.float16], (lens, counts)
+        assert torch.isnan(out[total:].float()).all()
+
+
+def test_graph_mode_queries_need_max_queries_per_row():
     case = make_case(seq_lens=[20], **HEADS)
     wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=1, max_num_pages=8)
-    with pytest.raises(ValueError, match="qo_indptr .* is not supported in graph mode yet"):
+    with pytest.raises(ValueError, match="graph mode takes qo_indptr when the wrapper is built "
+                                         "with max_queries_per_row > 1"):
         wrapper.plan(**csr_kwargs(case.table), **HEADS,
-                     qo_indptr=torch.tensor([0, 2], dtype=torch.int32))
+                     qo_indptr=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="max_queries_per_row sizes graph mode's tile"):
+        DecodeWrapper("NHD", max_queries_per_row=4)
+    with pytest.raises(ValueError, match="max_queries_per_row must be at most 16, got 17"):
+        DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=1, max_num_pages=8,
+                      max_queries_per_row=17)
+
+
+def test_graph_mode_wrong_qo_indptr_stays_inside_q():
+    """A trusted qo_indptr that points past q reads and writes only q's own rows: counts are
+    clamped to max_queries_per_row, rows past q are skipped."""
+    case = make_case(seq_lens=[40, 30, 20], **HEADS, seed=8)
+    wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=3, max_num_pages=16,
+                            max_queries_per_row=4)
+    kwargs = csr_kwargs(case.table)
+    indices = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    indices[: len(kwargs["kv_indices"])] = kwargs["kv_indices"]
+    kwargs["kv_indices"] = indices
+    q = torch.randn(12, 8, 64, dtype=torch.float16, device=DEVICE)
+    qo = torch.tensor([0, 4, 100, 10**6], dtype=torch.int32, device=DEVICE)
+    wrapper.plan(**kwargs, **HEADS, qo_indptr=qo)
+    out = torch.full_like(q, float("nan"))
+    wrapper.run(q, case.kv_cache, out=out)
+    assert torch.isfinite(out[:8].float()).all() and torch.isnan(out[8:].float()).all()

@@ -131,7 +131,7 @@ class DecodeLauncher:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
             op = out.data_ptr()
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-        if plan.batch_size and plan.total_queries:
+        if plan.batch_size and plan.total_queries != 0:
             if sig is None:   # checked by _prepare: a tensor or a (k, v) pair
                 k, v = (kv_cache, kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
             if plan.guard is not None:   # a trusted table: its copy, once per plan() and pool
@@ -155,6 +155,8 @@ class DecodeLauncher:
 
         check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
         want = (plan.total_queries, plan.num_qo_heads, plan.head_dim)
+        if plan.total_queries is None:      # graph mode's qo_indptr: any number of rows
+            want = (q.shape[0], *want[1:])
         if tuple(q.shape) != want:
             rows = "batch_size" if plan.queries is None else "qo_indptr[-1]"
             raise ValueError(f"q must be [{rows}, num_qo_heads, head_dim] = {list(want)} as "
@@ -189,7 +191,7 @@ class DecodeLauncher:
                    stride_tok, stride_kv)
         ws = plan.workspace
         fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, ws.row_lens, *strides,
-                 plan.sm_scale * LOG2_E)
+                 plan.sm_scale * LOG2_E, q.shape[0])
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
             head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.block_n,

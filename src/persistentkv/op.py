@@ -35,7 +35,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     paged_decode_kernel[(programs,)](
         q, k, v, out, out, indices, qo_indptr, tasks, info, part_o, part_lse, counters, row_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, sm_scale * LOG2_E,
-        **decode_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
+        total, **decode_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
                             head_dim=head_dim, page_size=page_size, block_n=block_n,
                             return_lse=False, upcast=interpreting(), max_queries=max_queries),
         num_warps=num_warps, num_stages=num_stages)

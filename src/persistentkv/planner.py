@@ -124,7 +124,8 @@ class DecodePlan:
     max_page_index: int          # largest used page index, -1 when not read (trusted)
     guard: PageGuard | None      # trusted tables: run() reads the guard's copy of `indices`
     queries: QueryLayout | None  # several query tokens per row (qo_indptr), else one
-    total_queries: int           # q.shape[0] at run(): batch_size, or qo_indptr[B]
+    total_queries: int | None    # q.shape[0] at run(): batch_size, qo_indptr[B], None: any
+                                 # (graph mode's qo_indptr)
     launch_key: tuple
 
     def info(self) -> dict:
@@ -238,7 +239,8 @@ class Planner:
                         None if queries is None else queries.indptr.data_ptr() % 16))
         call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])
         launch.with_pointers(*call)
-        on_device = queries is None and all(t is None or t.device == device for t in tensors)
+        on_device = ((queries is None or queries.total is None)
+                     and all(t is None or t.device == device for t in tensors))
         self._memo = (tensors, tuple(None if t is None else t.shape for t in tensors), options,
                       plan, launch, call) if on_device else None
         return plan

@@ -23,11 +23,11 @@ MAX_TILE_ROWS = 128          # query tokens x group in one tile
 @dataclass(frozen=True)
 class QueryLayout:
     """A step's query tokens: indptr int32 [B+1] on the kernels' device, total = indptr[B]
-    (q.shape[0] at run()), max_per_row = the tile's query tokens per row (a power of two >= the
-    most of any row)."""
+    (q.shape[0] at run(); None in graph mode, where the values stay on the device), max_per_row
+    = the tile's query tokens per row (a power of two >= the most of any row)."""
 
     indptr: torch.Tensor
-    total: int
+    total: int | None
     max_per_row: int
 
 
@@ -67,6 +67,22 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     one_each = bool((counts == 1).all())      # plain decode: the one-token kernel
     return QueryLayout(indptr=on_device, total=int(indptr[-1]),
                        max_per_row=1 if one_each else max(2, next_power_of_2(max(most, 1))))
+
+
+def graph_query_layout(qo_indptr: object, *, rows: int, max_queries_per_row: int,
+                       device: torch.device) -> QueryLayout:
+    """Graph mode's qo_indptr: a device tensor refilled in place before each replay, its values
+    not read on the host (the kernel clamps each row's count to max_queries_per_row and never
+    reads or writes past q's rows)."""
+    check_tensor("qo_indptr", qo_indptr, dtype=torch.int32, dim=1)
+    if qo_indptr.shape[0] != rows + 1:
+        raise ValueError(f"qo_indptr must have max_batch_size + 1 = {rows + 1} entries, got "
+                         f"{qo_indptr.shape[0]}")
+    if qo_indptr.device != device:
+        raise ValueError(f"in graph mode qo_indptr must be on the page table's device {device}, "
+                         f"got {qo_indptr.device}")
+    return QueryLayout(indptr=qo_indptr, total=None,
+                       max_per_row=max(2, next_power_of_2(max_queries_per_row)))
 
 
 def host_seq_lens(*, kv_indptr=None, kv_last_page_len=None, seq_lens=None,

@@ -21,7 +21,7 @@ from .launch import DecodeLauncher
 from .page_inputs import page_table_args
 from .planner import DecodePlan, Planner, PlanOptions
 from .policy import Policy
-from .queries import host_seq_lens, query_layout
+from .queries import MAX_QUERIES_PER_ROW, graph_query_layout, host_seq_lens, query_layout
 from .runtime import check_interpreter_numpy
 from .schedule import DETERMINISTIC_SPLIT_TOKENS, SCHEDULES, Choice
 from .tuning import KernelConfig, default_config
@@ -43,7 +43,8 @@ class DecodeWrapper:
 
     def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None,
                  use_cuda_graph: bool = False, max_batch_size: int | None = None,
-                 max_num_pages: int | None = None, policy: Policy | None = None):
+                 max_num_pages: int | None = None, max_queries_per_row: int = 1,
+                 policy: Policy | None = None):
         self.kv_layout = check_layout(kv_layout)
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a persistentkv.policy.Policy, got "
@@ -58,7 +59,15 @@ class DecodeWrapper:
         elif max_batch_size is not None or max_num_pages is not None:
             raise ValueError("max_batch_size and max_num_pages size the buffers of "
                              "use_cuda_graph=True; leave them out otherwise")
+        max_queries_per_row = check_positive_int("max_queries_per_row", max_queries_per_row)
+        if max_queries_per_row > MAX_QUERIES_PER_ROW:
+            raise ValueError(f"max_queries_per_row must be at most {MAX_QUERIES_PER_ROW}, got "
+                             f"{max_queries_per_row}")
+        if max_queries_per_row > 1 and not use_cuda_graph:
+            raise ValueError("max_queries_per_row sizes graph mode's tile; without "
+                             "use_cuda_graph plan() reads it from qo_indptr")
         self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
+        self.max_queries_per_row = max_queries_per_row
         self._planner = Planner(policy=policy, fixed_rows=max_batch_size, fixed_pages=max_num_pages)
         self._launcher = DecodeLauncher(self.kv_layout)
         self._options: dict[tuple, PlanOptions] = {}
@@ -121,7 +130,9 @@ class DecodeWrapper:
         qo_indptr int32 [B+1] (host or device; its values are read on the host): several query
         tokens per row, q[qo_indptr[b]:qo_indptr[b+1]] of q [qo_indptr[B], Hq, D] are row b's
         last tokens (already in the cache), causal: query j of n sees positions
-        < seq_len - n + j + 1 (queries.py; up to 16 per row; not yet in graph mode).
+        < seq_len - n + j + 1 (queries.py; up to 16 per row). In graph mode qo_indptr is a
+        device tensor refilled in place like the page table (its values are not read; the
+        wrapper is built with max_queries_per_row), and q has any number of rows.
         """
         check_interpreter_numpy()
         raw = (num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
@@ -137,8 +148,10 @@ class DecodeWrapper:
                 self._options.clear()
             if key is not None:
                 self._options[key] = options
-        tensors = (kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens)
-        plan = None if qo_indptr is not None else self._planner.replan(tensors, options)
+        tensors = (kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens, qo_indptr)
+        graph = self.max_batch_size is not None
+        plan = (None if qo_indptr is not None and not graph
+                else self._planner.replan(tensors, options))
         if plan is None:
             table = page_table_args(kv_indptr=kv_indptr, kv_indices=kv_indices,
                                     kv_last_page_len=kv_last_page_len, block_table=block_table,
@@ -148,11 +161,13 @@ class DecodeWrapper:
                 raise ValueError(f"page table is on {table.device}, but the wrapper was built for "
                                  f"{self._device}")
             queries = None
-            if qo_indptr is not None:
-                if self.max_batch_size is not None:
-                    raise ValueError("qo_indptr (several query tokens per row) is not supported "
-                                     "in graph mode yet: use a DecodeWrapper without "
-                                     "use_cuda_graph")
+            if qo_indptr is not None and graph:
+                if self.max_queries_per_row == 1:
+                    raise ValueError("graph mode takes qo_indptr when the wrapper is built with "
+                                     "max_queries_per_row > 1 (its tile is sized then)")
+                queries = graph_query_layout(qo_indptr, rows=table.rows, device=table.device,
+                                             max_queries_per_row=self.max_queries_per_row)
+            elif qo_indptr is not None:
                 queries = query_layout(
                     qo_indptr, rows=table.rows, group=options.num_qo_heads // options.num_kv_heads,
                     device=table.device,

@@ -76,7 +76,7 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                  q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
                  out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                  stride_qb, stride_qh, stride_ob, stride_oh,
-                 stride_page, stride_head, stride_tok, stride_kv, scale_log2,
+                 stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
                  G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
@@ -89,7 +89,7 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
     offs_m = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     q_start, n_q, limit = _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP, Q_PAD)
-    g_mask = (offs_m // GROUP < n_q) & (offs_m < Q_PAD * GROUP)
+    g_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
     d_mask = offs_d < HEAD_DIM
     mask = g_mask[:, None] & d_mask[None, :]
     heads = kv_head * GROUP + offs_m % GROUP                                           # [G_PAD]
@@ -114,10 +114,21 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
         _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
                      g_mask, NUM_QO_HEADS, RETURN_LSE)
     else:                                   # write the partial; the task completing them merges
-        _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q,
+        _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, num_q_rows,
                      offs_m // GROUP * NUM_QO_HEADS + heads, offs_d, mask, g_mask, d_mask,
                      out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, stride_ob,
                      stride_oh, NUM_KV_HEADS, GROUP, Q_PAD, HEAD_DIM, D_PAD, G_MERGE, RETURN_LSE)
+
+
+@triton.jit
+def _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP: tl.constexpr, Q_PAD: tl.constexpr):
+    """The tile rows that are real queries: token m // GROUP < n_q, and (several queries per
+    row) inside q's num_q_rows rows, so that a wrong qo_indptr never reads or writes past them."""
+    real = (offs_m // GROUP < n_q) & (offs_m < Q_PAD * GROUP)
+    if Q_PAD > 1:
+        q_rows = q_start + offs_m // GROUP
+        real = real & (q_rows >= 0) & (q_rows < num_q_rows)
+    return real
 
 
 @triton.jit
@@ -125,9 +136,9 @@ def _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP: tl.constexpr,
                  Q_PAD: tl.constexpr):
     """(first query token of the row, its query count, per tile row the last KV position it
     sees): query j of n sees positions < seq_len - n + j + 1. Decode (Q_PAD 1): (row, 1, -)."""
-    if Q_PAD > 1:
+    if Q_PAD > 1:   # a trusted (graph-mode) qo_indptr is clamped: n_q in [0, Q_PAD]
         q_start = tl.load(qo_indptr_ptr + row)
-        n_q = tl.load(qo_indptr_ptr + row + 1) - q_start
+        n_q = tl.minimum(tl.maximum(tl.load(qo_indptr_ptr + row + 1) - q_start, 0), Q_PAD)
         limit = tl.load(row_lens_ptr + row) - n_q + offs_m // GROUP
     else:
         q_start = row
@@ -159,7 +170,8 @@ def _store_partial(o, lse2, slot, part_rows, offs_d, mask, g_mask, part_o_ptr, p
 
 
 @triton.jit
-def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, part_rows,
+def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, num_q_rows,
+                 part_rows,
                  offs_d, mask, g_mask, d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
                  counters_ptr, stride_ob, stride_oh, NUM_KV_HEADS: tl.constexpr,
                  GROUP: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -177,7 +189,7 @@ def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, 
     _store_partial(o, lse2, slot_start + split, part_rows, offs_d, mask, g_mask, part_o_ptr,
                    part_lse_ptr, SLOT_ROWS, HEAD_DIM)
     offs_m = tl.arange(0, G_MERGE)
-    m_mask = (offs_m // GROUP < n_q) & (offs_m < Q_PAD * GROUP)
+    m_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
     merge_mask = m_mask[:, None] & d_mask[None, :]
     merge_heads = kv_head * GROUP + offs_m % GROUP
     merge_rows = offs_m // GROUP * NUM_QO_HEADS + merge_heads
@@ -223,11 +235,11 @@ def _load_task(tasks_ptr, record, valid):
             tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=-1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_q_rows"])
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr,
                         tasks_ptr, info_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
-                        stride_page, stride_head, stride_tok, stride_kv, scale_log2,
+                        stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
                         G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
@@ -263,7 +275,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
-                         stride_page, stride_head, stride_tok, stride_kv, scale_log2,
+                         stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                          G_MERGE, RETURN_LSE, UPCAST)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
@@ -274,7 +286,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                              stride_qb, stride_qh, stride_ob, stride_oh,
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                             NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
+                             num_q_rows, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                              G_MERGE, RETURN_LSE, UPCAST)
     else:
         while item < num_items:
@@ -283,7 +295,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
-                         stride_page, stride_head, stride_tok, stride_kv, scale_log2,
+                         stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
                          G_MERGE, RETURN_LSE, UPCAST)
             if claim == num_items - 1:       # the last of the launch's num_items claims
