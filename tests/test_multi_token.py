@@ -191,8 +191,11 @@ def test_graph_mode_queries_need_max_queries_per_row():
                                          "with max_queries_per_row > 1"):
         wrapper.plan(**csr_kwargs(case.table), **HEADS,
                      qo_indptr=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="max_queries_per_row sizes graph mode's tile"):
-        DecodeWrapper("NHD", max_queries_per_row=4)
+    with pytest.raises(ValueError, match="a row has 5 query tokens, over the wrapper's "
+                                         "max_queries_per_row=4"):
+        DecodeWrapper("NHD", max_queries_per_row=4).plan(
+            **csr_kwargs(case.table), **HEADS,
+            qo_indptr=torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="max_queries_per_row must be at most 16, got 17"):
         DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=1, max_num_pages=8,
                       max_queries_per_row=17)
@@ -214,3 +217,27 @@ def test_graph_mode_wrong_qo_indptr_stays_inside_q():
     out = torch.full_like(q, float("nan"))
     wrapper.run(q, case.kv_cache, out=out)
     assert torch.isfinite(out[:8].float()).all() and torch.isnan(out[8:].float()).all()
+
+
+def test_deterministic_queries_are_batch_invariant():
+    """deterministic=True with several queries per row: a row's outputs are bitwise the same
+    alone and in a batch."""
+    from persistentkv import PageTable
+
+    case = make_case(seq_lens=[300, 40, 700], **HEADS, seed=9)
+    counts = [3, 2, 5]
+    q, qo_indptr = _queries(case, counts, 9)
+    with pytest.raises(ValueError, match="deterministic=True with qo_indptr needs a tile"):
+        DecodeWrapper(case.layout).plan(**csr_kwargs(case.table), **HEADS, deterministic=True,
+                                        qo_indptr=qo_indptr)
+    wrapper = DecodeWrapper(case.layout, max_queries_per_row=5)
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, backend="split", deterministic=True,
+                 split_pages=4, qo_indptr=qo_indptr)
+    full = wrapper.run(q, case.kv_cache)
+    for row in range(3):
+        alone = PageTable(row_pages=(case.table.row_pages[row],),
+                          seq_lens=case.table.seq_lens[[row]], page_size=16)
+        first, last = int(qo_indptr[row]), int(qo_indptr[row + 1])
+        wrapper.plan(**csr_kwargs(alone), **HEADS, backend="split", deterministic=True,
+                     split_pages=4, qo_indptr=torch.tensor([0, counts[row]], dtype=torch.int32))
+        assert torch.equal(wrapper.run(q[first:last], case.kv_cache), full[first:last]), row

@@ -32,9 +32,11 @@ class QueryLayout:
 
 
 def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.device,
-                 seq_lens: np.ndarray | None) -> QueryLayout:
+                 seq_lens: np.ndarray | None, tile_queries: int | None = None) -> QueryLayout:
     """qo_indptr checked (its values are read on the host: a synchronization if it is on the
-    device); seq_lens, where known on the host, bound each row's queries."""
+    device); seq_lens, where known on the host, bound each row's queries. tile_queries: the
+    tile's query tokens per row, fixed (whatever the batch holds, as batch invariance needs),
+    else the batch's most."""
     check_tensor("qo_indptr", qo_indptr, dtype=torch.int32, dim=1)
     if qo_indptr.shape[0] != rows + 1:
         raise ValueError(f"qo_indptr must have batch_size + 1 = {rows + 1} entries, got "
@@ -55,6 +57,9 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
         raise ValueError(f"a row has {most} query tokens: at most {MAX_QUERIES_PER_ROW} per row, "
                          f"and at most {MAX_TILE_ROWS} query tokens x group "
                          f"(group {group}) are supported")
+    if tile_queries is not None and most > tile_queries:
+        raise ValueError(f"a row has {most} query tokens, over the wrapper's "
+                         f"max_queries_per_row={tile_queries}")
     if seq_lens is not None:
         over = np.flatnonzero(counts > seq_lens)
         if len(over):
@@ -64,9 +69,13 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     on_device = qo_indptr if qo_indptr.device == device else (
         qo_indptr.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
         else qo_indptr.to(device))
-    one_each = bool((counts == 1).all())      # plain decode: the one-token kernel
-    return QueryLayout(indptr=on_device, total=int(indptr[-1]),
-                       max_per_row=1 if one_each else max(2, next_power_of_2(max(most, 1))))
+    if tile_queries is not None:
+        tile = max(2, next_power_of_2(tile_queries))
+    elif (counts == 1).all():                 # plain decode: the one-token kernel
+        tile = 1
+    else:
+        tile = max(2, next_power_of_2(max(most, 1)))
+    return QueryLayout(indptr=on_device, total=int(indptr[-1]), max_per_row=tile)
 
 
 def graph_query_layout(qo_indptr: object, *, rows: int, max_queries_per_row: int,

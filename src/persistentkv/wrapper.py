@@ -38,7 +38,9 @@ class DecodeWrapper:
     x width), so that one captured plan() + run()
     replays for every batch composition: fill the same page-table tensors in place before each
     replay; rows with no pages (CSR) or seq_lens 0 are inactive and their output rows are left
-    untouched (in every mode). policy: for backend="auto"; default: the one shipped for the GPU.
+    untouched (in every mode). max_queries_per_row: the tile's query tokens per row of a
+    plan(qo_indptr=...) (default 1: sized by each batch; graph mode and deterministic mode need
+    it fixed). policy: for backend="auto"; default: the one shipped for the GPU.
     """
 
     def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None,
@@ -63,9 +65,6 @@ class DecodeWrapper:
         if max_queries_per_row > MAX_QUERIES_PER_ROW:
             raise ValueError(f"max_queries_per_row must be at most {MAX_QUERIES_PER_ROW}, got "
                              f"{max_queries_per_row}")
-        if max_queries_per_row > 1 and not use_cuda_graph:
-            raise ValueError("max_queries_per_row sizes graph mode's tile; without "
-                             "use_cuda_graph plan() reads it from qo_indptr")
         self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
         self.max_queries_per_row = max_queries_per_row
         self._planner = Planner(policy=policy, fixed_rows=max_batch_size, fixed_pages=max_num_pages)
@@ -132,7 +131,9 @@ class DecodeWrapper:
         last tokens (already in the cache), causal: query j of n sees positions
         < seq_len - n + j + 1 (queries.py; up to 16 per row). In graph mode qo_indptr is a
         device tensor refilled in place like the page table (its values are not read; the
-        wrapper is built with max_queries_per_row), and q has any number of rows.
+        wrapper is built with max_queries_per_row), and q has any number of rows. Eagerly,
+        max_queries_per_row > 1 fixes the tile's query rows (else the batch's most decides):
+        deterministic=True needs it, so that a row's result does not depend on the batch.
         """
         check_interpreter_numpy()
         raw = (num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
@@ -168,11 +169,16 @@ class DecodeWrapper:
                 queries = graph_query_layout(qo_indptr, rows=table.rows, device=table.device,
                                              max_queries_per_row=self.max_queries_per_row)
             elif qo_indptr is not None:
+                if deterministic and self.max_queries_per_row == 1:
+                    raise ValueError("deterministic=True with qo_indptr needs a tile that does "
+                                     "not depend on the batch: build the DecodeWrapper with "
+                                     "max_queries_per_row=N (the most queries of any row)")
                 queries = query_layout(
                     qo_indptr, rows=table.rows, group=options.num_qo_heads // options.num_kv_heads,
                     device=table.device,
                     seq_lens=host_seq_lens(kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len,
-                                           seq_lens=seq_lens, page_size=options.page_size))
+                                           seq_lens=seq_lens, page_size=options.page_size),
+                    tile_queries=None if self.max_queries_per_row == 1 else self.max_queries_per_row)
             plan = self._planner.plan(tensors, table, options, queries)
         self._plan = plan
         return plan
