@@ -242,3 +242,15 @@ def test_static_batch_with_several_query_tokens_per_row():
     assert all(s["error"] < 2e-3 for s in measured.steps if s["status"] == "ok")
     with pytest.raises(ValueError, match=r"q_len must be 1 to 16 or 'mix', got '17'"):
         RunOptions(q_len="17")
+
+
+def test_xqa_causal_draft_mask_bits():
+    """XQA's speculative-decoding mask: query j's 32-bit words have bits 0..j set."""
+    from persistentkv.bench.backends import _causal_draft_mask
+
+    mask = _causal_draft_mask(3, 40, torch.device("cpu"))
+    assert mask.shape == (3, 40, 4) and mask.dtype == torch.uint16
+    words = mask[1].view(torch.int32).long() & 0xFFFFFFFF                    # [40, 2]
+    for j in (0, 5, 31, 32, 39):
+        seen = [k for k in range(64) if (int(words[j, k // 32]) >> (k % 32)) & 1]
+        assert seen == list(range(j + 1)), j

@@ -177,7 +177,10 @@ class FlashInferWrapper(Backend):
 
 
 class FlashInferXQA(Backend):
-    """trtllm_batch_decode_with_kv_cache (XQA on Hopper); wants its own zero-filled workspace."""
+    """trtllm_batch_decode_with_kv_cache (XQA on Hopper); wants its own zero-filled workspace.
+    Several query tokens per row: its speculative-decoding path (q_len_per_req, the same count
+    for every row) with a causal draft mask (bit k of query j's 32-bit words: draft token k
+    visible, k <= j)."""
 
     name = "fi-xqa"
 
@@ -188,16 +191,35 @@ class FlashInferXQA(Backend):
         self.layout, self.workspace = layout, workspace
 
     def plan(self, step: StepInputs) -> None:
-        step.one_query_per_row(self.name)
+        self.q_len, self.mask = 1, None
+        if step.qo_indptr is not None:
+            counts = set(torch.diff(step.qo_indptr).tolist())
+            if len(counts) != 1:
+                raise Unsupported("XQA's speculative path takes one query count for every row")
+            self.q_len = counts.pop()
+            self.mask = _causal_draft_mask(step.batch_size, self.q_len, step.kv_indptr.device)
         self.step = step
         self.max_seq_len = max(step.seq_lens_host, default=0)
         self.outs = [torch.empty_like(q) for q in step.queries]
 
     def run(self, layer: int) -> torch.Tensor:
         s = self.step
+        extra = {} if self.mask is None else {"q_len_per_req": self.q_len, "mask": self.mask}
         return self.fn(s.queries[layer], s.pools[layer], self.workspace, s.block_table, s.seq_lens,
                        self.max_seq_len, bmm1_scale=s.sm_scale, bmm2_scale=1.0,
-                       out=self.outs[layer], kv_layout=self.layout)
+                       out=self.outs[layer], kv_layout=self.layout, **extra)
+
+
+def _causal_draft_mask(rows: int, q_len: int, device: torch.device) -> torch.Tensor:
+    """XQA's draft mask, uint16 [rows, q_len, 2 * ceil(q_len / 32)]: query j sees draft tokens
+    k <= j (bit k of its 32-bit words, little-endian halves)."""
+    words = -(-q_len // 32)
+    k = torch.arange(words * 32)
+    visible = k[None, :] <= torch.arange(q_len)[:, None]                       # [q_len, bits]
+    bits = (visible.view(q_len, words, 32).long() << torch.arange(32)).sum(-1)  # [q_len, words]
+    words32 = bits.to(torch.int32)            # the low 32 bits (int64 -> int32 wraps)
+    return (words32.view(torch.uint16).reshape(1, q_len, 2 * words)
+            .expand(rows, -1, -1).contiguous().to(device))
 
 
 class FlashInferPrefill(Backend):
