@@ -8,9 +8,14 @@ Evaluation: per trace pkv-auto (the policy on the device) against FlashInfer's b
 fixed backend.
 Shapes: per grid cell and model preset, pkv-auto against FlashInfer's best (--shapes, the grids
 that `persistentkv bench --grid --preset NAME` wrote), with the geometric mean.
+Queries: per grid cell and query count (--queries, the grids that `persistentkv bench --grid
+--q-len N` wrote), pkv-auto against FlashInfer's fastest path for the same work and against
+pkv-auto at one query, the issue's bars counted; --json writes the same as a summary file.
 Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/evaluate.json
          [--previous results/h200/v3/grid.json]
      python scripts/benchmark_tables.py --shapes results/h200/shapes/*.json
+     python scripts/benchmark_tables.py --queries results/h200/multi-token/qlen-*.json
+         [--json results/h200/multi-token.json]
 """
 import argparse
 import json
@@ -107,13 +112,80 @@ def shapes_table(paths) -> str:
     return "\n".join(out)
 
 
+# issue bars for several queries per row: q_len 4 within 1.10x of one query, q_len 8 within 1.5x
+QUERY_COST_BARS = {"4": 1.10, "8": 1.5}
+
+
+def queries_summary(paths) -> dict:
+    """Per cell and q_len (the runs' options.q_len; a repeated q_len keeps its first run): pkv-auto
+    and FlashInfer's best (fi-best: the faster of fi-prefill and fi-xqa) in us per layer, their
+    ratio, pkv-auto against its one-query time, FlashInfer's fraction of the ceiling, and the
+    bars over the cells of at most 32 rows."""
+    runs = {}
+    for path in paths:
+        data, by, cases = _rows(path)
+        runs.setdefault(data["environment"]["options"]["q_len"], (path, data, by, cases))
+    if "1" not in runs:
+        raise SystemExit("--queries needs the q_len 1 grid (the one-query times)")
+    cells = []
+    for case in runs["1"][3]:
+        one = runs["1"][2][(case, "pkv-auto")]["graph_us_per_layer"]
+        per_q = {}
+        for q, (_, _, by, _) in runs.items():
+            ours, fi = by.get((case, "pkv-auto")), by.get((case, "fi-best"))
+            if not ours or not fi or ours["status"] != "ok" or fi["status"] != "ok":
+                continue
+            per_q[q] = {"pkv_us": ours["graph_us_per_layer"], "fi_best_us": fi["graph_us_per_layer"],
+                        "fi_best": fi["note"], "vs_fi": fi["graph_us_per_layer"] / ours["graph_us_per_layer"],
+                        "vs_one_query": ours["graph_us_per_layer"] / one,
+                        "fi_fraction_of_ceiling": fi["fraction_of_ceiling"]}
+        cells.append({"case": case, "batch": runs["1"][2][(case, "pkv-auto")]["batch"], "q_len": per_q})
+    small = [c for c in cells if c["batch"] <= 32]
+    bars = {}
+    for q, bar in QUERY_COST_BARS.items():
+        have = [c for c in small if q in c["q_len"]]
+        bars[f"q_len {q} <= {bar}x one query"] = f"{sum(c['q_len'][q]['vs_one_query'] <= bar for c in have)} of {len(have)}"
+    pairs = [(c, q) for c in small for q in c["q_len"] if q != "1"]
+    bars[">= 1.0x FI (q_len > 1)"] = f"{sum(c['q_len'][q]['vs_fi'] >= 0.995 for c, q in pairs)} of {len(pairs)}"
+    slow = [(c, q) for c, q in pairs if c["q_len"][q]["fi_fraction_of_ceiling"] < 0.7]
+    bars[">= 1.3x FI where FI < 70% of ceiling"] = f"{sum(c['q_len'][q]['vs_fi'] >= 1.3 for c, q in slow)} of {len(slow)}"
+    return {"runs": {q: {"file": path, "environment": data["environment"]} for q, (path, data, _, _) in runs.items()},
+            "bars (cells of <= 32 rows)": bars, "cells": cells}
+
+
+def queries_table(summary) -> str:
+    """Case x q_len: pkv-auto / FI best (x), and pkv-auto against its one-query time."""
+    qs = list(summary["runs"])
+    out = ["| case | " + " | ".join(f"q_len {q}: ours / FI us (x FI; x one query)" for q in qs) + " |",
+           "|---|" + "---|" * len(qs)]
+    for cell in summary["cells"]:
+        items = []
+        for q in qs:
+            r = cell["q_len"].get(q)
+            items.append("-" if r is None else f"{r['pkv_us']:.1f} / {r['fi_best_us']:.1f} "
+                         f"({r['vs_fi']:.2f}x; {r['vs_one_query']:.2f})")
+        out.append(f"| {cell['case']} | " + " | ".join(items) + " |")
+    out.append("")
+    out += [f"- {name}: {count}" for name, count in summary["bars (cells of <= 32 rows)"].items()]
+    return "\n".join(out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid", nargs="?")
     parser.add_argument("--shapes", nargs="+", help="per-preset grid JSON files")
     parser.add_argument("evaluate", nargs="?")
     parser.add_argument("--previous", help="an earlier grid.json, for the 'previous best' column")
+    parser.add_argument("--queries", nargs="+", help="grid JSON files of `bench --grid --q-len N`")
+    parser.add_argument("--json", help="with --queries: write the summary here")
     args = parser.parse_args()
+    if args.queries:
+        summary = queries_summary(args.queries)
+        print(queries_table(summary))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
+                f.write("\n")
     if args.shapes:
         print(shapes_table(args.shapes))
     if args.grid:

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_case import DEVICE, block_kwargs, csr_kwargs, make_case
+from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case
 from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
@@ -58,7 +58,8 @@ def test_one_query_per_row_is_plain_decode():
     assert torch.equal(with_indptr, wrapper.run(q, case.kv_cache))
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+# every example compiles new kernel variants on a GPU (seconds each); the interpreter has none
+@settings(max_examples=12 if ON_GPU else 25, deadline=None, derandomize=True)
 @given(st.data())
 def test_random_query_counts(data):
     q_lens = data.draw(st.lists(st.integers(0, 16), min_size=1, max_size=3), label="q_lens")
@@ -145,7 +146,6 @@ def test_graph_mode_queries_refilled_in_place():
     """Graph mode: qo_indptr is a static device tensor refilled in place like the page table (and,
     on a GPU, plan + run captured once and replayed for a later step); rows of q past the step's
     queries are left untouched."""
-    from paged_case import ON_GPU
 
     case = make_case(seq_lens=[60, 45, 20], **HEADS, seed=7)
     wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=3, max_num_pages=16,
