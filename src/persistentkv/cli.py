@@ -185,6 +185,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_e2e(args: argparse.Namespace) -> int:
+    device = choose_device()
+    import torch
+
+    from .bench.e2e import run_e2e
+
+    model = args.model or ("llama3-8b" if device == "cuda" else "tiny")
+    run_e2e(model_name=model, requests=_ints(args.requests), mean_prompt=args.mean_prompt,
+            new_tokens=args.new_tokens, impls=args.impls.split(","), device=torch.device(device),
+            out_dir=Path(args.out), tag=args.tag or f"e2e-{model}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="persistentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -260,6 +273,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", default="results")
     evaluate.add_argument("--tag", default="evaluate")
     evaluate.set_defaults(func=cmd_evaluate)
+
+    e2e = sub.add_parser("e2e", help="a random-weight model in transformers' continuous batching, "
+                                     "paged|persistentkv against transformers' paged attention")
+    e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "tiny"],
+                     help="default: llama3-8b on a GPU, tiny on the CPU")
+    e2e.add_argument("--requests", default="8,32,128", help="concurrent requests per run")
+    e2e.add_argument("--mean-prompt", type=int, default=4096, help="mean prompt tokens")
+    e2e.add_argument("--new-tokens", type=int, default=64)
+    e2e.add_argument("--impls", default="paged|sdpa,paged|persistentkv",
+                     help="attention implementations; the first is the reference")
+    e2e.add_argument("--out", default="results")
+    e2e.add_argument("--tag")
+    e2e.set_defaults(func=cmd_e2e)
 
     report = sub.add_parser("report", help="PNG plots from results JSON files")
     report.add_argument("results", nargs="+")

@@ -1,0 +1,1 @@
+"""Adapters into serving engines people use."""
