@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 
 MAX_GROUP = 64        # query heads per KV head
@@ -59,3 +60,16 @@ def check_attention_shape(*, num_qo_heads: object, num_kv_heads: object, head_di
     if head_dim % 16 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
     return num_qo_heads, num_kv_heads, head_dim, page_size
+
+
+def check_offsets(name: str, offsets: np.ndarray) -> np.ndarray:
+    """An offsets array (kv_indptr, qo_indptr) read on the host: it starts at 0 and never
+    decreases; returns the counts between offsets."""
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0]={offsets[0]}")
+    counts = np.diff(offsets)
+    if (counts < 0).any():
+        r = int(np.flatnonzero(counts < 0)[0])
+        raise ValueError(f"{name} must be non-decreasing, got {name}[{r}]={offsets[r]} > "
+                         f"{name}[{r + 1}]={offsets[r + 1]}")
+    return counts

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .checks import check_tensor
+from .checks import check_offsets, check_tensor
 
 
 def host_values(*tensors: torch.Tensor) -> list[np.ndarray]:
@@ -149,13 +149,7 @@ def _used_max(used: torch.Tensor) -> int:
 def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> int:
     """The CSR table's values checked; returns the largest used page index."""
     indptr, last = host_values(kv_indptr, kv_last_page_len)
-    if indptr[0] != 0:
-        raise ValueError(f"kv_indptr must start at 0, got kv_indptr[0]={indptr[0]}")
-    pages = np.diff(indptr)
-    if (pages < 0).any():
-        row = int(np.flatnonzero(pages < 0)[0])
-        raise ValueError(f"kv_indptr must be non-decreasing, got kv_indptr[{row}]={indptr[row]} > "
-                         f"kv_indptr[{row + 1}]={indptr[row + 1]}")
+    pages = check_offsets("kv_indptr", indptr)
     if indptr[-1] > kv_indices.shape[0]:
         raise ValueError(f"kv_indptr[-1]={indptr[-1]} is past the end of kv_indices "
                          f"({kv_indices.shape[0]} entries)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .checks import check_tensor
+from .checks import check_offsets, check_tensor
 from .page_inputs import host_values
 from .runtime import next_power_of_2
 
@@ -45,13 +45,7 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
         raise ValueError(f"qo_indptr is on {qo_indptr.device}: it must be on the host or on the "
                          f"page table's device {device}")
     (indptr,) = host_values(qo_indptr)
-    if indptr[0] != 0:
-        raise ValueError(f"qo_indptr must start at 0, got qo_indptr[0]={indptr[0]}")
-    counts = np.diff(indptr)
-    if (counts < 0).any():
-        r = int(np.flatnonzero(counts < 0)[0])
-        raise ValueError(f"qo_indptr must be non-decreasing, got qo_indptr[{r}]={indptr[r]} > "
-                         f"qo_indptr[{r + 1}]={indptr[r + 1]}")
+    counts = check_offsets("qo_indptr", indptr)
     most = int(counts.max()) if rows else 0
     if most > MAX_QUERIES_PER_ROW or next_power_of_2(max(most, 1)) * group > MAX_TILE_ROWS:
         raise ValueError(f"a row has {most} query tokens: at most {MAX_QUERIES_PER_ROW} per row, "
