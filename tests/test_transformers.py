@@ -55,3 +55,15 @@ def test_generate_batch_matches_paged_sdpa():
 def test_outside_continuous_batching_is_refused():
     with pytest.raises(ValueError, match="runs inside continuous batching"):
         paged_attention_forward(torch.nn.Module(), torch.zeros(1, 2, 1, 16), None, None, None)
+
+
+def test_e2e_agreement_and_prompts():
+    from persistentkv.bench.e2e import AGREEMENT_TOKENS, agreement, prompts_for
+
+    a = [list(range(40)), [1, 2, 3]]
+    b = [list(range(20)) + [0] * 20, [1, 9, 3]]
+    assert agreement(a, a) == 1.0
+    assert agreement(a, b) == (20 / AGREEMENT_TOKENS + 2 / 3) / 2
+    prompts = prompts_for(50, 100, vocab=64, seed=1)
+    assert len(prompts) == 50 and all(25 <= len(p) < 175 for p in prompts)
+    assert all(1 <= t < 64 for p in prompts for t in p)

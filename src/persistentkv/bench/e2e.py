@@ -59,14 +59,16 @@ def prompts_for(num_requests: int, mean_len: int, vocab: int, *, seed: int) -> l
 
 
 def run_one(model, impl: str, prompts, *, new_tokens: int) -> dict:
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model.set_attn_implementation(impl)
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
+    # the same for every implementation: no CUDA graphs (paged|persistentkv plans on the host)
+    cb = ContinuousBatchingConfig(use_cuda_graph=False)
     start = time.perf_counter()
-    out = model.generate_batch(prompts, generation_config=gen, progress_bar=False,
-                               record_timestamps=True)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                               progress_bar=False, record_timestamps=True)
     wall = time.perf_counter() - start
     outs = [out[k] for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     stamps = [o.timestamps for o in outs if o.timestamps]

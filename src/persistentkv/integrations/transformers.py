@@ -17,7 +17,10 @@ the step's lengths on the host once (one synchronization per step, not per layer
 
 Full-attention layers only (Llama, Qwen2, Mistral without a window); a model with sliding-window
 layers or attention sinks is refused with a ValueError. The model's dtype must be float16 or
-bfloat16. Requires transformers 5.17 (`pip install "persistentkv[transformers]"`).
+bfloat16. The host read of each step does not go into a CUDA graph: on a GPU run generate_batch
+with ContinuousBatchingConfig(use_cuda_graph=False) (transformers turns graphs on by default for
+an implementation that needs no attention mask). Requires transformers 5.17
+(`pip install "persistentkv[transformers]"`).
 """
 from __future__ import annotations
 
@@ -95,6 +98,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         state = cache._persistentkv = _StepPlan()
     cu_k = cu_seq_lens_k[_layer_type(module)] if isinstance(cu_seq_lens_k, dict) else cu_seq_lens_k
     if module.layer_idx == min(cache.layer_index_to_group_indices):   # a new step: plan it
+        if _capturing():
+            raise ValueError(f"{NAME} plans each step on the host: run generate_batch with "
+                             f"ContinuousBatchingConfig(use_cuda_graph=False)")
         cu_q_host = cu_seq_lens_q.cpu().numpy().astype(np.int64)
         cu_k_host = cu_k.cpu().numpy().astype(np.int64)
         reads = read_index[group] if read_index is not None and len(read_index) else None
@@ -114,6 +120,11 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     state.wrapper.run(q[: state.total_q].contiguous(), (k_cache.view(shape), v_cache.view(shape)),
                       out=out[: state.total_q])
     return out.unsqueeze(0), None
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _layer_type(module) -> str:
