@@ -1,0 +1,123 @@
+"""Context parallelism: each row's pages spread over the ranks of a torch.distributed group, each
+rank attending to its share with the usual kernels, one collective merging the partials exactly.
+
+    share = shard_table(table, rank=r, world_size=w)      # this rank's pages of every row
+    indptr, indices, last = share.csr(device)
+    cp = ContextParallelDecode("HND", group=group)        # one per rank
+    cp.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, num_qo_heads=...)
+    out = cp.run(q, kv_cache)                             # the whole rows' attention, every rank
+
+A rank's share of a row is any subset of its pages (contiguous or interleaved): for one query
+per row, the softmax over a set of tokens does not depend on their order, and the shares' (o, lse)
+merge exactly: out = sum_r e^(lse_r - M) o_r / sum_r e^(lse_r - M), lse = M + log(sum_r
+e^(lse_r - M)), the math of the in-launch merge. A rank with no tokens of a row contributes
+(0, -inf). The merge is an all-gather of (o, lse) ("all_gather") or three all-reduces of
+rescaled sums ("all_reduce"); NCCL on GPUs, gloo on CPUs. One query per row, no sliding window:
+positions would cross the shares. Tensor parallelism composes by heads: each tensor-parallel
+rank runs its own heads' context-parallel group.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .page_table import PageTable
+from .wrapper import DecodeWrapper
+
+PLACEMENTS = ("contiguous", "interleaved")
+MERGES = ("all_gather", "all_reduce")
+
+
+def shard_table(table: PageTable, *, rank: int, world_size: int,
+                placement: str = "contiguous") -> PageTable:
+    """Rank `rank`'s share of every row of `table`: contiguous (pages [r n / W, (r + 1) n / W) of a
+    row's n pages) or interleaved (pages r, r + W, ...). A share's length counts its tokens: full
+    pages, and the row's last (partial) page for the rank that holds it."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if not (0 <= rank < world_size):
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    pages, lens = [], []
+    size = table.page_size
+    for row_pages, n in zip(table.row_pages, table.seq_lens.tolist()):
+        count = len(row_pages)
+        mine = (np.arange(rank * count // world_size, (rank + 1) * count // world_size)
+                if placement == "contiguous" else np.arange(rank, count, world_size))
+        holds_last = count > 0 and len(mine) and mine[-1] == count - 1
+        tokens = len(mine) * size - ((count * size - n) if holds_last else 0)
+        pages.append(np.asarray(row_pages)[mine].astype(np.int64))
+        lens.append(max(0, tokens))
+    return PageTable(row_pages=tuple(pages), seq_lens=np.asarray(lens, dtype=np.int64),
+                     page_size=size)
+
+
+def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
+                       method: str = "all_gather") -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge of every rank's (o [B, Hq, D], lse [B, Hq] natural log, -inf: no tokens)
+    over `group`; returns (out [B, Hq, D] in o's dtype, lse [B, Hq] fp32) on every rank."""
+    import torch.distributed as dist
+
+    if method not in MERGES:
+        raise ValueError(f"method must be one of {MERGES}, got {method!r}")
+    o32, lse = o.float(), lse.float()
+    if method == "all_gather":
+        world = dist.get_world_size(group)
+        os_, lses = [torch.empty_like(o32) for _ in range(world)], [torch.empty_like(lse)
+                                                                     for _ in range(world)]
+        dist.all_gather(os_, o32, group=group)
+        dist.all_gather(lses, lse, group=group)
+        o_all, lse_all = torch.stack(os_), torch.stack(lses)             # [W, B, Hq, (D)]
+        top = lse_all.amax(dim=0)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        w = torch.exp(lse_all - top)                                     # 0 where no tokens
+        total = w.sum(dim=0)
+        out = (w[..., None] * o_all).sum(dim=0) / total.clamp_min(1e-30)[..., None]
+    else:
+        top = lse.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        w = torch.exp(lse - top)
+        weighted = w[..., None] * o32
+        total = w.clone()
+        dist.all_reduce(weighted, group=group)
+        dist.all_reduce(total, group=group)
+        out = weighted / total.clamp_min(1e-30)[..., None]
+    return out.to(o.dtype), top + torch.log(total)
+
+
+class ContextParallelDecode:
+    """One rank's side of context-parallel decode over `group` (default: the world). plan() takes
+    this rank's share of the page table (shard_table; a row with no pages here is fine) and
+    DecodeWrapper.plan's other options; run() returns every row's full attention on every
+    rank. method: the merge's collective (merge_across_ranks)."""
+
+    def __init__(self, kv_layout: str = "NHD", *, group=None, method: str = "all_gather",
+                 **wrapper_kwargs):
+        if method not in MERGES:
+            raise ValueError(f"method must be one of {MERGES}, got {method!r}")
+        self.group, self.method = group, method
+        self.wrapper = DecodeWrapper(kv_layout, **wrapper_kwargs)
+        self._active = None
+
+    def plan(self, **plan_kwargs):
+        for name in ("qo_indptr", "window_left"):
+            if plan_kwargs.get(name) not in (None, -1):
+                raise ValueError(f"context-parallel decode takes one query per row and no window; "
+                                 f"got {name}={plan_kwargs[name]!r}")
+        plan = self.wrapper.plan(**plan_kwargs)
+        if plan_kwargs.get("seq_lens") is not None:
+            lengths = plan_kwargs["seq_lens"]
+        else:
+            lengths = torch.diff(plan_kwargs["kv_indptr"])
+        self._active = lengths.to(plan.indices.device) > 0                # [B]: tokens here
+        return plan
+
+    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False):
+        """q [B, Hq, D] (the same on every rank) -> out [B, Hq, D] (and lse [B, Hq] fp32)."""
+        if self._active is None:
+            raise RuntimeError("run() called before plan()")
+        out = torch.zeros_like(q)
+        out, lse = self.wrapper.run(q, kv_cache, out=out, return_lse=True)
+        lse = torch.where(self._active[:, None], lse, torch.full_like(lse, float("-inf")))
+        merged, merged_lse = merge_across_ranks(out, lse, group=self.group, method=self.method)
+        return (merged, merged_lse) if return_lse else merged
