@@ -20,14 +20,16 @@ from persistentkv.tuning import default_config
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
             "tasks_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
             "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
-            "qo_indptr_ptr": "*i32", "row_lens_ptr": "*i32"}
+            "qo_indptr_ptr": "*i32", "row_lens_ptr": "*i32", "sinks_ptr": "*fp32"}
 
 
-def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_queries: int = 1):
+def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_queries: int = 1,
+                   variants: tuple[str, ...] = ()):
     cfg = config or default_config(head_dim=head_dim, num_kv_heads=8)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    block_n=cfg.block_n, return_lse=False, upcast=False,
-                                   max_queries=max_queries)
+                                   max_queries=max_queries,
+                                   **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}
     for name in names:
@@ -35,7 +37,7 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
             signature[name] = "constexpr"
         elif name in POINTERS:
             signature[name] = POINTERS[name]
-        elif name == "scale_log2":
+        elif name in ("scale_log2", "soft_cap"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -68,15 +70,19 @@ def main():
     parser.add_argument("--quick", action="store_true", help="the reference shape (group 4, d 128) only")
     parser.add_argument("--queries", action="store_true",
                         help="group 4, d 128 with 2, 4, 8 and 16 query tokens per row")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated kernel variants to compile in: window, soft_cap, sinks")
     args = parser.parse_args()
+    variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
     if args.queries:
         shapes = tuple((4, 128, n) for n in (2, 4, 8, 16))
     for group, head_dim, queries in shapes:
-        k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, max_queries=queries)
+        k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, max_queries=queries,
+                           variants=variants)
         ptx = k.asm["ptx"]
         waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
-        print(f"group {group:2d} d {head_dim:3d} queries {queries:2d}: "
+        print(f"group {group:2d} d {head_dim:3d} queries {queries:2d} {'+'.join(variants)}: "
               f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
               f"deepest wait_group {max(waits, default=-1)}")

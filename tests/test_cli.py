@@ -30,7 +30,7 @@ from persistentkv.cli import main
      "persistentkv calibrate takes one --preset, got llama3-8b,gpt-oss"),
     # checked on a CPU machine too, where the functional run takes its own small shape
     (["bench", "--traces", "nosuch"], "unknown trace(s) ['nosuch']"),
-    (["bench", "--head-dim", "100"], "head_dim must be a multiple of 16 up to 256, got 100"),
+    (["bench", "--head-dim", "100"], "head_dim must be a multiple of 16 up to 512, got 100"),
     (["bench", "--page-size", "0"], "page_size must be >= 1, got 0"),
     (["evaluate", "--num-qo-heads", "12", "--num-kv-heads", "8"],
      "num_qo_heads=12 must be a multiple of num_kv_heads=8"),

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 MAX_GROUP = 64        # query heads per KV head
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 
 
 def check_positive_int(name: str, value: object) -> int:

@@ -104,7 +104,7 @@ class DecodeLauncher:
         self._launcher = Launcher(paged_decode_kernel)
         self._prepared: dict = {}
 
-    def run(self, plan, q, kv_cache, out, return_lse: bool):
+    def run(self, plan, q, kv_cache, out, return_lse: bool, sinks=None):
         """Launch one layer; returns (out, lse or None)."""
         try:
             if isinstance(kv_cache, torch.Tensor):
@@ -117,12 +117,14 @@ class DecodeLauncher:
                    k.shape, k.dtype, k.device, k.stride(), kp % 16,
                    None if v is k else (v.shape, v.dtype, v.device, v.stride(), vp % 16),
                    None if out is None else (out.shape, out.dtype, out.device, out.stride(), op % 16),
-                   return_lse)
+                   return_lse,
+                   None if sinks is None else (sinks.shape, sinks.dtype, sinks.device, sinks.stride(),
+                                               sinks.data_ptr() % 16))
         except (AttributeError, TypeError, ValueError):
             sig = None
         prepared = self._prepared.get(sig)
         if prepared is None:
-            prepared = self._prepare(plan, q, kv_cache, out, return_lse)
+            prepared = self._prepare(plan, q, kv_cache, out, return_lse, sinks)
             if sig is not None:
                 if len(self._prepared) > 64:   # launches of old plan bindings
                     self._prepared.clear()
@@ -137,17 +139,19 @@ class DecodeLauncher:
             if plan.guard is not None:   # a trusted table: its copy, once per plan() and pool
                 plan.guard.ensure(k.shape[0])
             qo = plan.indices if plan.queries is None else plan.queries.indptr   # unread for decode
+            sk = plan.indices if sinks is None else sinks                      # unread without
             if sig is None:
-                prepared(q, k, v, out, out if lse is None else lse, plan.indices, qo)
+                prepared(q, k, v, out, out if lse is None else lse, plan.indices, qo, sk)
             else:
-                prepared.with_pointers((q, k, v, out, out if lse is None else lse, plan.indices, qo),
+                prepared.with_pointers((q, k, v, out, out if lse is None else lse, plan.indices, qo,
+                                        sk),
                                        [qp, kp, vp, op, op if lse is None else lse.data_ptr(),
-                                        plan.indices_ptr, qo.data_ptr()])
+                                        plan.indices_ptr, qo.data_ptr(), sk.data_ptr()])
         return out, lse
 
-    def _prepare(self, plan, q, kv_cache, out, return_lse: bool) -> BoundLaunch:
-        """Check run()'s arguments in full; the launch with everything but q, k, v, out, lse and
-        the page indices bound."""
+    def _prepare(self, plan, q, kv_cache, out, return_lse: bool, sinks) -> BoundLaunch:
+        """Check run()'s arguments in full; the launch with everything but q, k, v, out, lse, the
+        page indices, qo_indptr and the sinks bound."""
         from .cache import CACHE_DTYPES
         from .checks import check_same_device, check_tensor
         from .kernels.decode import decode_constexprs
@@ -184,6 +188,13 @@ class DecodeLauncher:
             if q.shape[0] * q.shape[1] > 1 and 0 in out.stride()[:2]:
                 raise ValueError(f"out must not overlap itself, got strides {out.stride()}")
             out_strides, out_align = out.stride(), out.data_ptr() % 16
+        if sinks is not None:
+            check_tensor("sinks", sinks, dtype=(torch.float32,), dim=1)
+            if tuple(sinks.shape) != (plan.num_qo_heads,) or sinks.stride(0) != 1:
+                raise ValueError(f"sinks must be a contiguous [num_qo_heads] = "
+                                 f"[{plan.num_qo_heads}] tensor, got shape {list(sinks.shape)} "
+                                 f"and strides {sinks.stride()}")
+            check_same_device(plan.indices.device, q=q, sinks=sinks)
         stride_page, stride_head, stride_tok = cache_strides(k, self.kv_layout)
         # V's offset from the pointer passed for it: the pool's K/V stride, or 0 for a (k, v) pair
         stride_kv = kv_cache.stride(1) if isinstance(kv_cache, torch.Tensor) else 0
@@ -191,17 +202,21 @@ class DecodeLauncher:
                    stride_tok, stride_kv)
         ws = plan.workspace
         fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, ws.row_lens, *strides,
-                 plan.sm_scale * LOG2_E, q.shape[0])
+                 plan.sm_scale * LOG2_E, q.shape[0], plan.window_left,
+                 plan.logits_soft_cap or 1.0)
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
             head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.block_n,
             return_lse=return_lse, upcast=interpreting(),
-            max_queries=1 if plan.queries is None else plan.queries.max_per_row)
+            max_queries=1 if plan.queries is None else plan.queries.max_per_row,
+            window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
+            sinks=sinks is not None)
         # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
         # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
         # allocator, always aligned).
         key = (tuple(constexprs.values()), q.dtype, strides, q.data_ptr() % 16, out_align,
-               k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16)
+               k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
+               None if sinks is None else sinks.data_ptr() % 16)
         return self._launcher.bind(grid=(plan.programs,), key=key, fixed=fixed,
                                    constexprs=constexprs, num_warps=plan.config.num_warps,
                                    num_stages=plan.config.num_stages, device_index=q.device.index)

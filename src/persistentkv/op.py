@@ -18,13 +18,16 @@ from .runtime import interpreting
 @torch.library.custom_op("persistentkv::paged_decode",
                          mutates_args=("info", "part_o", "part_lse", "counters"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                 qo_indptr: torch.Tensor, tasks: torch.Tensor, info: torch.Tensor,
+                 qo_indptr: torch.Tensor, sinks: torch.Tensor | None, tasks: torch.Tensor,
+                 info: torch.Tensor,
                  part_o: torch.Tensor, part_lse: torch.Tensor, counters: torch.Tensor,
                  row_lens: torch.Tensor, cache_strides: list[int], sm_scale: float,
                  num_kv_heads: int, page_size: int, programs: int, block_n: int, num_warps: int,
-                 num_stages: int, max_queries: int) -> torch.Tensor:
+                 num_stages: int, max_queries: int, window_left: int,
+                 logits_soft_cap: float) -> torch.Tensor:
     """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
-    max_queries 1: one query per row, qo_indptr unread).
+    max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
+    sinks None: off).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
     """
@@ -33,19 +36,23 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     if total == 0:
         return out
     paged_decode_kernel[(programs,)](
-        q, k, v, out, out, indices, qo_indptr, tasks, info, part_o, part_lse, counters, row_lens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides, sm_scale * LOG2_E,
-        total, **decode_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
+        q, k, v, out, out, indices, qo_indptr, indices if sinks is None else sinks, tasks, info,
+        part_o, part_lse, counters, row_lens, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), *cache_strides, sm_scale * LOG2_E, total, window_left,
+        logits_soft_cap or 1.0,
+        **decode_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
                             head_dim=head_dim, page_size=page_size, block_n=block_n,
-                            return_lse=False, upcast=interpreting(), max_queries=max_queries),
+                            return_lse=False, upcast=interpreting(), max_queries=max_queries,
+                            window=window_left >= 0, soft_cap=logits_soft_cap > 0,
+                            sinks=sinks is not None),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k, v, indices, qo_indptr, tasks, info, part_o, part_lse, counters,
+def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, tasks, info, part_o, part_lse, counters,
                        row_lens, cache_strides, sm_scale, num_kv_heads, page_size, programs,
-                       block_n, num_warps, num_stages, max_queries):
+                       block_n, num_warps, num_stages, max_queries, window_left, logits_soft_cap):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -65,7 +72,8 @@ def _guard_pages_fake(indices, meta, safe, info, num_rows, row_stride, width, ex
     return None
 
 
-def traced_decode(plan, q, kv_cache, out, return_lse: bool, *, kv_layout: str) -> torch.Tensor:
+def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None, *,
+                  kv_layout: str) -> torch.Tensor:
     """run() under torch.compile: the registered op, which the compiler can trace."""
     if out is not None or return_lse:
         raise ValueError("under torch.compile, run() returns a new output and no lse: "
@@ -82,8 +90,9 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, *, kv_layout: str) -
         guard_pages(*guard.leading, *guard.fixed, k.shape[0], guard.page_size, guard.csr)
     queries = plan.queries
     return paged_decode(q, k, v, plan.indices,
-                        plan.indices if queries is None else queries.indptr, ws.tasks, ws.info,
+                        plan.indices if queries is None else queries.indptr, sinks, ws.tasks, ws.info,
                         ws.part_o, ws.part_lse, ws.counters, ws.row_lens, strides, plan.sm_scale,
                         plan.num_kv_heads, plan.page_size, plan.programs, cfg.block_n,
                         cfg.num_warps, cfg.num_stages,
-                        1 if queries is None else queries.max_per_row)
+                        1 if queries is None else queries.max_per_row, plan.window_left,
+                        plan.logits_soft_cap)

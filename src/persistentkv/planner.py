@@ -43,6 +43,8 @@ class PlanOptions:
     sm_scale: float
     config: KernelConfig
     check_page_table: bool
+    window_left: int = -1          # positions before each query it sees, -1: all
+    logits_soft_cap: float = 0.0   # > 0: scores soft-capped (cap * tanh(s / cap))
 
 
 class Workspace:
@@ -115,6 +117,8 @@ class DecodePlan:
     page_size: int
     sm_scale: float
     config: KernelConfig
+    window_left: int             # -1: no window
+    logits_soft_cap: float       # 0: no soft-cap
     choice: Choice | None        # None: decided per step on the device by the policy
     indices: torch.Tensor        # flat page indices the kernels read: kv_indices, block_table
                                  # (row-major), or a trusted table's guarded copy
@@ -216,13 +220,13 @@ class Planner:
         block_rows = next_power_of_2(max(table.rows, 1))
         leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
         align = tuple(t.data_ptr() % 16 for t in table.leading)
-        bind_key = (options, device, table.csr, block_rows, align, id(ws), ws.generation)
+        bind_key = (options, device, table.csr, block_rows, align, id(ws), ws.generation, q_pad)
         launch = self._bound.get(bind_key)
         if launch is None:
             if len(self._bound) > 64:
                 self._bound.clear()
             launch = self._bound[bind_key] = self._bind(options, table, ws, fixed_tail, block_rows,
-                                                        align)
+                                                        align, q_pad)
         programs = min(options.config.programs_per_sm * sm_count(device),
                        ws.capacity * options.num_kv_heads)
         guard = None if options.check_page_table else PageGuard(
@@ -232,6 +236,7 @@ class Planner:
             batch_size=table.rows, num_qo_heads=options.num_qo_heads,
             num_kv_heads=options.num_kv_heads, head_dim=options.head_dim,
             page_size=options.page_size, sm_scale=options.sm_scale, config=options.config,
+            window_left=options.window_left, logits_soft_cap=options.logits_soft_cap,
             choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
             workspace=ws, programs=programs, max_page_index=table.max_page, guard=guard,
             queries=queries, total_queries=table.rows if queries is None else queries.total,
@@ -269,9 +274,11 @@ class Planner:
         return codes, target, chunks, (edges, table, fixed_tail, dense is not None)
 
     def _bind(self, options: PlanOptions, table: PageTableArgs, ws: Workspace, fixed_tail: tuple,
-              block_rows: int, align: tuple) -> BoundLaunch:
-        """The planner's launch with everything but the page table and its sizes bound."""
+              block_rows: int, align: tuple, q_pad: int) -> BoundLaunch:
+        """The planner's launch with everything but the page table and its sizes bound. q_pad:
+        the tile's query tokens per row (a window keeps window_left + q_pad positions a row)."""
         edges, dense, tail, use_policy = fixed_tail
+        window_tokens = -1 if options.window_left < 0 else options.window_left + q_pad
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
                           ONE_ROUND_STEPS=ONE_ROUND_STEPS if options.config.one_round else 0,
@@ -279,7 +286,7 @@ class Planner:
         key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,
                                    fixed=(edges, dense, ws.tasks, ws.info, ws.row_lens, ws.capacity,
-                                      *tail),
+                                          *tail, window_tokens),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
                                    device_index=table.device.index)
 

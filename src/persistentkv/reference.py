@@ -23,14 +23,18 @@ def _split_pool(kv_cache, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float | None = None,
                      kv_indptr=None, kv_indices=None, kv_last_page_len=None,
-                     block_table=None, seq_lens=None,
-                     qo_indptr=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_table=None, seq_lens=None, qo_indptr=None, window_left: int = -1,
+                     logits_soft_cap: float = 0.0,
+                     sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact decode attention. q: [B, Hq, D], or [qo_indptr[B], Hq, D] with qo_indptr (row b's
     queries q[qo_indptr[b]:qo_indptr[b+1]] are its last n tokens; query j sees positions
     < length - n + j + 1). Returns (out like q in float64, lse [q.shape[0], Hq] float64).
 
-    lse is the natural-log log-sum-exp of the scaled scores, sm_scale * q.k. Give the page table as
-    CSR (kv_indptr, kv_indices, kv_last_page_len) or as (block_table, seq_lens).
+    Scores s = sm_scale * q.k; logits_soft_cap > 0: s = cap * tanh(s / cap). window_left >= 0: the
+    query at position p sees positions p - window_left .. p only. sinks [Hq]: one more logit per
+    head in the softmax's denominator, with no value (out = sum_j e^(s_j) v_j / (e^sink +
+    sum_j e^(s_j))). lse is the natural-log log-sum-exp of the scores (and the sink). Give the
+    page table as CSR (kv_indptr, kv_indices, kv_last_page_len) or as (block_table, seq_lens).
     """
     k_pool, v_pool = _split_pool(kv_cache, layout)
     total, num_qo_heads, head_dim = q.shape
@@ -56,12 +60,19 @@ def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float 
         first, n = starts[row], starts[row + 1] - starts[row]
         for j in range(n):
             seen = length - n + j + 1
+            start = 0 if window_left < 0 else max(0, seen - 1 - window_left)
             qg = q[first + j].double().view(num_kv_heads, group, head_dim)               # [Hkv, G, D]
-            scores = torch.einsum("kgd,lkd->kgl", qg, keys[:seen]) * scale                # [Hkv, G, L]
-            lse[first + j] = torch.logsumexp(scores, dim=2).reshape(num_qo_heads)
-            probs = torch.softmax(scores, dim=2)
+            scores = torch.einsum("kgd,lkd->kgl", qg, keys[start:seen]) * scale          # [Hkv, G, L]
+            if logits_soft_cap > 0:
+                scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+            logits = scores
+            if sinks is not None:   # the sink's logit joins the softmax, its value is zero
+                sink = sinks.double().to(q.device).view(num_kv_heads, group, 1)
+                logits = torch.cat([scores, sink], dim=2)
+            lse[first + j] = torch.logsumexp(logits, dim=2).reshape(num_qo_heads)
+            probs = torch.softmax(logits, dim=2)[..., :scores.shape[2]]
             out[first + j] = torch.einsum("kgl,lkd->kgd", probs,
-                                          values[:seen]).reshape(num_qo_heads, head_dim)
+                                          values[start:seen]).reshape(num_qo_heads, head_dim)
     return out, lse
 
 

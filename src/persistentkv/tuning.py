@@ -49,7 +49,11 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
     stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads (gpt-oss
     64/8: geomean 1.024 -> 1.044x FlashInfer), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10%
-    on its small, latency-bound cells, 1.093 -> 1.065x)."""
+    on its small, latency-bound cells, 1.093 -> 1.065x). Head dim 512 at block_n 16: compiled for
+    sm_90a, block_n 32 spills (255 registers, 32 B of stack) and needs 145 KB of shared memory at three
+    stages; 16 keeps 222 registers, no spill, 81 KB (scripts/compile_check.py; not yet timed)."""
+    if head_dim > 256:
+        return KernelConfig(block_n=16)
     if head_dim > 128:
         return KernelConfig(block_n=32)
     if head_dim <= 64 and num_kv_heads >= 4:

@@ -109,7 +109,8 @@ class DecodeWrapper:
              split_pages: int | None = None, sm_scale: float | None = None,
              config: KernelConfig | None = None, deterministic: bool = False,
              check_page_table: bool = False,
-             qo_indptr: torch.Tensor | None = None) -> DecodePlan:
+             qo_indptr: torch.Tensor | None = None, window_left: int = -1,
+             logits_soft_cap: float = 0.0) -> DecodePlan:
         """Plan one decode step from a CSR page table or from block_table + seq_lens.
 
         CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
@@ -134,10 +135,16 @@ class DecodeWrapper:
         wrapper is built with max_queries_per_row), and q has any number of rows. Eagerly,
         max_queries_per_row > 1 fixes the tile's query rows (else the batch's most decides):
         deterministic=True needs it, so that a row's result does not depend on the batch.
+        window_left >= 0 (FlashInfer's name): a sliding window, the query at position p sees
+        positions p - window_left .. p; the planner drops the pages before each row's window, so
+        that only window tokens are read and split (the table may still list every page).
+        logits_soft_cap > 0: scores s = sm_scale * q.k become cap * tanh(s / cap) (Gemma-2).
+        Both hold for the step, like every plan option; a model whose layers differ keeps one
+        wrapper per kind of layer. Sinks (per layer) go to run().
         """
         check_interpreter_numpy()
         raw = (num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
-               config, deterministic, check_page_table)
+               config, deterministic, check_page_table, window_left, logits_soft_cap)
         try:
             key = tuple((type(v), v) for v in raw)
             options = self._options.get(key)
@@ -184,13 +191,15 @@ class DecodeWrapper:
         return plan
 
     def run(self, q: torch.Tensor, kv_cache, *, out: torch.Tensor | None = None,
-            return_lse: bool = False):
+            return_lse: bool = False, sinks: torch.Tensor | None = None):
         """Decode attention for one layer.
 
         q: [B, Hq, D] fp16/bf16, the cache's dtype. kv_cache: [P, 2, H, S, D] (HND) or [P, 2, S, H, D]
         (NHD), or a (k, v) pair of [P, H, S, D] / [P, S, H, D]. Returns out [B, Hq, D] in q's dtype,
         and with return_lse=True also lse [B, Hq] float32: the natural-log log-sum-exp of the
-        scaled scores, sm_scale * q.k.
+        scaled scores, sm_scale * q.k (and of the sink). sinks: float32 [Hq] on q's device, one
+        learned logit per query head that joins each softmax's denominator with no value
+        (gpt-oss): out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)).
         """
         plan = self.current_plan
         if not isinstance(return_lse, bool):
@@ -198,13 +207,15 @@ class DecodeWrapper:
         if torch.compiler.is_compiling():
             from .op import traced_decode
 
-            return traced_decode(plan, q, kv_cache, out, return_lse, kv_layout=self.kv_layout)
-        out, lse = self._launcher.run(plan, q, kv_cache, out, return_lse)
+            return traced_decode(plan, q, kv_cache, out, return_lse, sinks,
+                                 kv_layout=self.kv_layout)
+        out, lse = self._launcher.run(plan, q, kv_cache, out, return_lse, sinks)
         return (out, lse) if return_lse else out
 
 
 def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
-                  config, deterministic, check_page_table) -> PlanOptions:
+                  config, deterministic, check_page_table, window_left,
+                  logits_soft_cap) -> PlanOptions:
     """plan()'s options, checked; every error names the argument and its value."""
     num_qo_heads, num_kv_heads, head_dim, page_size = check_attention_shape(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -228,6 +239,16 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
         sm_scale = scale
+    if not isinstance(window_left, numbers.Integral) or isinstance(window_left, bool):
+        raise TypeError(f"window_left must be an int (-1: no window), got {window_left!r}")
+    if window_left < -1:
+        raise ValueError(f"window_left must be -1 (no window) or >= 0, got {window_left}")
+    real = isinstance(logits_soft_cap, numbers.Real) and not isinstance(logits_soft_cap, bool)
+    if not real:
+        raise TypeError(f"logits_soft_cap must be a float (0: none), got {logits_soft_cap!r}")
+    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
+        raise ValueError(f"logits_soft_cap must be a finite float >= 0 (0: none), got "
+                         f"{logits_soft_cap!r}")
     if deterministic:   # a per-step choice of schedule or split would break batch invariance
         if backend in ("grouped", "balanced"):
             raise ValueError(f"deterministic=True cuts rows into splits of a fixed size; "
@@ -247,4 +268,5 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         choice = Choice("split", split_pages)
     return PlanOptions(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        page_size=page_size, choice=choice, sm_scale=sm_scale, config=config,
-                       check_page_table=check_page_table)
+                       check_page_table=check_page_table, window_left=int(window_left),
+                       logits_soft_cap=float(logits_soft_cap))

@@ -16,19 +16,30 @@ from .merge import merge_partials
 from .softmax import online_softmax_step
 
 ONE_LEVEL_SPLITS = tl.constexpr(16)   # rows of more splits merge in two levels (_merge_split)
+LOG2_E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 (accurate in fp32 at every magnitude: e^(-2|x|) never overflows)."""
+    t = tl.math.exp2(-2.0 * LOG2_E * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
 
 
 
 @triton.jit
-def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
-                  stride_page, stride_tok, offs_d, d_mask, scale_log2,
+def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, limit, lower,
+                  stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr):
     """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi).
 
-    CAUSAL: tile row r sees positions <= limit[r] only. A hidden score is -1e30, not -inf, so
-    that a tile hiding a whole row stays finite; a row that sees none of [tok_lo, tok_hi) holds
-    garbage, which the caller drops (its lse is set to -inf)."""
+    CAUSAL: tile row r sees positions <= limit[r] only; WINDOW: positions >= lower[r] only.
+    SOFT_CAP: scores s = soft_cap * tanh(s / soft_cap) (s = sm_scale * q.k). A hidden score is
+    -1e30, not -inf, so that a tile hiding a whole row stays finite; a row that sees none of
+    [tok_lo, tok_hi) holds garbage, which the caller drops (its lse is set to -inf)."""
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -52,9 +63,14 @@ def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, li
             v = v.to(tl.float32)
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale_log2
+        if SOFT_CAP:   # base 2: soft_cap * log2(e) * tanh(sm_scale * q.k / soft_cap)
+            scores = (soft_cap * LOG2_E) * _tanh(scores * (scale_log2 / (LOG2_E * soft_cap)))
+        else:
+            scores = scores * scale_log2
         if CAUSAL:
             scores = tl.where(tok[None, :] <= limit[:, None], scores, -1e30)
+        if WINDOW:
+            scores = tl.where(tok[None, :] >= lower[:, None], scores, -1e30)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v)
     return acc, m_i, l_i
@@ -73,22 +89,27 @@ def _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh,
 
 @triton.jit
 def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
-                 q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                 q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
                  out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                  stride_qb, stride_qh, stride_ob, stride_oh,
                  stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
+                 window_left, soft_cap,
                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
                  G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
-                 RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
+                 RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFT_CAP: tl.constexpr, SINKS: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row.
 
     Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
-    and query head kv_head * GROUP + m % GROUP."""
+    and query head kv_head * GROUP + m % GROUP. Positions are the planner's: from the first
+    page it kept of the row (a window drops the pages before it), row_lens[row] of them."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     offs_m = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
-    q_start, n_q, limit = _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP, Q_PAD)
+    q_start, n_q, limit = _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP, Q_PAD,
+                                       WINDOW)
+    lower = limit - window_left   # WINDOW: the first position each tile row sees
     g_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
     d_mask = offs_d < HEAD_DIM
     mask = g_mask[:, None] & d_mask[None, :]
@@ -100,16 +121,21 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
         q = q.to(tl.float32)
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
     acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
-                                  page_start.to(tl.int64), tok_lo, tok_hi, limit, stride_page,
-                                  stride_tok, offs_d, d_mask, scale_log2, G_PAD, D_PAD, PAGE_SIZE,
-                                  BLOCK_N, Q_PAD > 1, UPCAST)
+                                  page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
+                                  stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
+                                  G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1, WINDOW, SOFT_CAP,
+                                  UPCAST)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse2 = m_i + tl.math.log2(l_safe)
-    if Q_PAD > 1:                           # a query that sees none of this task's tokens
+    if (Q_PAD > 1) | WINDOW:                # a query that sees none of this task's tokens
         seen = limit >= tok_lo
+        if WINDOW:
+            seen = seen & (lower < tok_hi)
         lse2 = tl.where(seen, lse2, float("-inf"))
         o = tl.where(seen[:, None], o, 0.0)
+    if SINKS:                               # the row's first split counts each head's sink once
+        o, lse2 = _add_sink(o, lse2, sinks_ptr, heads, g_mask & (split == 0))
     if slot_start < 0:                      # the row is one task: write the output directly
         _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
                      g_mask, NUM_QO_HEADS, RETURN_LSE)
@@ -133,9 +159,10 @@ def _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP: tl.constexpr, Q_PAD: tl
 
 @triton.jit
 def _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP: tl.constexpr,
-                 Q_PAD: tl.constexpr):
+                 Q_PAD: tl.constexpr, WINDOW: tl.constexpr):
     """(first query token of the row, its query count, per tile row the last KV position it
-    sees): query j of n sees positions < seq_len - n + j + 1. Decode (Q_PAD 1): (row, 1, -)."""
+    sees): query j of n sees positions < seq_len - n + j + 1. Decode (Q_PAD 1): (row, 1, the
+    row's last position, read only for a window)."""
     if Q_PAD > 1:   # a trusted (graph-mode) qo_indptr is clamped: n_q in [0, Q_PAD]
         q_start = tl.load(qo_indptr_ptr + row)
         n_q = tl.minimum(tl.maximum(tl.load(qo_indptr_ptr + row + 1) - q_start, 0), Q_PAD)
@@ -143,8 +170,25 @@ def _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP: tl.constexpr,
     else:
         q_start = row
         n_q = row * 0 + 1
-        limit = offs_m
+        if WINDOW:
+            limit = tl.load(row_lens_ptr + row) - 1 + offs_m * 0
+        else:
+            limit = offs_m
     return q_start, n_q, limit
+
+
+@triton.jit
+def _add_sink(o, lse2, sinks_ptr, heads, rows):
+    """Fold each tile row's sink logit (sinks fp32 [Hq], natural log; rows: which rows take it)
+    into its normalized state (o [G_PAD, D_PAD], lse2 [G_PAD], base 2): one more term in the
+    softmax's denominator, with no value."""
+    sink2 = tl.load(sinks_ptr + heads, mask=rows, other=float("-inf")) * LOG2_E
+    top = tl.maximum(lse2, sink2)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    own, extra = tl.math.exp2(lse2 - top), tl.math.exp2(sink2 - top)
+    total = own + extra
+    keep = tl.where(total > 0, own / tl.where(total > 0, total, 1.0), 0.0)
+    return o * keep[:, None], top + tl.math.log2(total)
 
 
 @triton.jit
@@ -235,16 +279,21 @@ def _load_task(tasks_ptr, record, valid):
             tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=-1))
 
 
-@triton.jit(do_not_specialize=["num_q_rows"])
+@triton.jit(do_not_specialize=["num_q_rows", "window_left"])
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr,
+                        sinks_ptr,
                         tasks_ptr, info_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
+                        window_left, soft_cap,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
                         G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
-                        RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr):
-    """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V.
+                        RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
+                        SOFT_CAP: tl.constexpr, SINKS: tl.constexpr):
+    """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
+    (with the variants: a window of window_left positions before each query, soft_cap, and a
+    sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set).
 
     tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
     the task count at 0, the claim counter at 3 and a balanced plan's chunk count at 5. Items
@@ -272,32 +321,35 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         # small steps than a loop run once.
         if item < tl.where(chained > 0, chained, num_items):
             _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
-                         NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                         G_MERGE, RETURN_LSE, UPCAST)
+                         window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
+                         D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
+                         SOFT_CAP, SINKS)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
                 _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
-                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                              stride_qb, stride_qh, stride_ob, stride_oh,
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                             num_q_rows, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                             G_MERGE, RETURN_LSE, UPCAST)
+                             num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
+                             G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
+                             UPCAST, WINDOW, SOFT_CAP, SINKS)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
             _decode_task(row, item % NUM_KV_HEADS, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
-                         NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N,
-                         G_MERGE, RETURN_LSE, UPCAST)
+                         window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
+                         D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
+                         SOFT_CAP, SINKS)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
@@ -306,11 +358,14 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
-                      return_lse: bool, upcast: bool, max_queries: int = 1) -> dict:
+                      return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
+                      soft_cap: bool = False, sinks: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
-    query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows."""
+    query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
+    window, soft_cap, sinks: which variants the kernel computes (each off costs nothing)."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
-                G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast)
+                G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
+                WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks)

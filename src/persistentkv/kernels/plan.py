@@ -109,12 +109,13 @@ def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pag
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
                                "task_capacity", "choice", "target_tasks", "chunk_target",
                                "min_split_tokens",
-                               "whole_row_min_rows", "n_len_bins", "n_spread_bins"])
+                               "whole_row_min_rows", "n_len_bins", "n_spread_bins",
+                               "window_tokens"])
 def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
                 block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
                 task_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, whole_row_min_rows,
-                whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
+                whole_row_slack, one_round_slack, n_len_bins, n_spread_bins, window_tokens,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
                 EDGES: tl.constexpr):
@@ -124,6 +125,11 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
     pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
     Lengths are clamped to what the table holds, so a bad table cannot send a read past it.
+    A sliding window (window_tokens >= 0: the most positions a row's queries see, window_left +
+    the tile's query count) drops each row's whole pages before its last window_tokens
+    positions: the row then starts at its first kept page (page start and length move by the
+    pages dropped, the decode kernel's positions count from there, row_lens holds the kept
+    length), and the step's features, the split rule and the tasks see window tokens only.
     Choice code (POLICY: from the decision table, else `choice`): -2 balanced chunks of about
     total / chunk_target pages, -1 whole rows, n > 0 splits of n pages, 0 the default rule: the
     split rule's splits when their tasks fit in target_tasks, else balanced chunks (info[2] says
@@ -147,6 +153,9 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
         lo = offs * block_table_stride
         lens = tl.load(lens_ptr + offs, mask=in_batch, other=0)
         lens = tl.minimum(tl.maximum(lens, 0), block_table_width * PAGE_SIZE)
+    dropped = tl.where(window_tokens >= 0, tl.maximum(lens - window_tokens, 0) // PAGE_SIZE, 0)
+    lo = lo + dropped
+    lens = lens - dropped * PAGE_SIZE
     active = lens > 0
     active_rows = tl.sum(active.to(tl.int32), axis=0)
     max_len = tl.max(lens, axis=0)
