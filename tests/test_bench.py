@@ -244,6 +244,25 @@ def test_static_batch_with_several_query_tokens_per_row():
         RunOptions(q_len="17")
 
 
+def test_static_batch_with_attention_variants():
+    """run_static with a window, soft-cap and sinks: ours are checked against the reference with
+    the same formula; a backend without them is reported unsupported, not timed."""
+    opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1,
+                      window_left=30, logits_soft_cap=4.0, sinks=True)
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    backends, _ = make_backends(["pkv-split", "pkv-auto", "padded-sdpa"], layout="HND",
+                                device=device)
+    measured = run_static("variants", [170, 20, 33], backends, shape=SHAPE, opts=opts,
+                          device=device)
+    status = {s["backend"]: s["status"] for s in measured.steps}
+    assert status == {"pkv-split": "ok", "pkv-auto": "ok", "padded-sdpa": "unsupported"}
+    assert all(s["error"] < 2e-3 for s in measured.steps if s["status"] == "ok")
+    with pytest.raises(ValueError, match=r"window_left must be -1 \(none\) or an int >= 0, got -3"):
+        RunOptions(window_left=-3)
+    with pytest.raises(ValueError, match=r"logits_soft_cap must be a finite float >= 0, got inf"):
+        RunOptions(logits_soft_cap=float("inf"))
+
+
 def test_xqa_causal_draft_mask_bits():
     """XQA's speculative-decoding mask: query j's 32-bit words have bits 0..j set."""
     from persistentkv.bench.backends import _causal_draft_mask

@@ -102,7 +102,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.q_len != "1" and not args.grid:
         raise ValueError(f"--q-len {args.q_len} applies to --grid (static batches), not to traces")
     opts = RunOptions(layers=args.layers, samples=args.samples, seed=args.seed,
-                      memory_budget_gb=args.memory_gb, q_len=args.q_len)
+                      memory_budget_gb=args.memory_gb, q_len=args.q_len,
+                      window_left=args.window_left, logits_soft_cap=args.soft_cap,
+                      sinks=args.sinks)
     status = 0
     for preset, shape in shapes:
         status = max(status, run_bench(
@@ -225,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--q-len", default="1",
                        help="query tokens per row of the grid's batches (1-16, or 'mix': 2-8 per "
                             "row; speculative-decoding verification); compare with fi-prefill")
+    bench.add_argument("--window-left", type=int, default=-1,
+                       help="a sliding window: each query sees itself and the window_left "
+                            "positions before it (-1: none)")
+    bench.add_argument("--soft-cap", type=float, default=0.0,
+                       help="logit soft-cap: scores become cap * tanh(score / cap) (0: none)")
+    bench.add_argument("--sinks", action="store_true",
+                       help="a learned sink logit per query head (drawn per layer)")
     add_shape_arguments(bench)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="results", help="folder for the JSON and CSV files")

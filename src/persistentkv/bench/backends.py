@@ -47,11 +47,24 @@ class StepInputs:
     head_dim: int
     page_size: int
     qo_indptr: torch.Tensor | None = None   # host int32 [B+1]: several query tokens per row
+    window_left: int = -1                    # attention variants (DecodeWrapper.plan's names)
+    logits_soft_cap: float = 0.0
+    sinks: list[torch.Tensor] | None = None  # per layer float32 [Hq]
 
     def one_query_per_row(self, backend: str) -> None:
         """Unsupported for a backend that takes one query token per row, on a multi-token step."""
         if self.qo_indptr is not None:
             raise Unsupported(f"{backend} takes one query token per row")
+
+    def refuse_variants(self, backend: str, *, window: bool = True, soft_cap: bool = True,
+                        sinks: bool = True) -> None:
+        """Unsupported for a backend without the step's variants (True: it lacks that one)."""
+        lacks = [name for name, on, lacking in (
+            ("a sliding window", self.window_left >= 0, window),
+            ("soft-capped logits", self.logits_soft_cap > 0, soft_cap),
+            ("sinks", self.sinks is not None, sinks)) if on and lacking]
+        if lacks:
+            raise Unsupported(f"{backend} does not take {', '.join(lacks)}")
 
     @property
     def batch_size(self) -> int:
@@ -129,10 +142,13 @@ class PersistentKV(Backend):
                           kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
                           page_size=step.page_size, backend=self.backend,
-                          split_pages=self.split_pages, config=config, qo_indptr=step.qo_indptr)
+                          split_pages=self.split_pages, config=config, qo_indptr=step.qo_indptr,
+                          window_left=step.window_left, logits_soft_cap=step.logits_soft_cap)
 
     def run(self, layer: int) -> torch.Tensor:
-        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+        s = self.step
+        return self.wrapper.run(s.queries[layer], s.pools[layer], out=self.outs[layer],
+                                sinks=None if s.sinks is None else s.sinks[layer])
 
     def last_choice(self) -> str:
         """pkv-auto: the planner's choice for the last step, e.g. 'split@16' (a device read)."""
@@ -162,6 +178,7 @@ class FlashInferWrapper(Backend):
 
     def plan(self, step: StepInputs) -> None:
         step.one_query_per_row(self.name)
+        step.refuse_variants(self.name, window=False, soft_cap=False)
         group = step.num_qo_heads // step.num_kv_heads
         if not self.use_tensor_cores and group not in (1, 2, 3, 4, 6, 8):
             raise Unsupported(f"FlashInfer's CUDA-core decode does not serve group size {group}")
@@ -169,11 +186,17 @@ class FlashInferWrapper(Backend):
         dtype = step.queries[0].dtype
         self.wrapper.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, step.num_qo_heads,
                           step.num_kv_heads, step.head_dim, step.page_size, q_data_type=dtype,
-                          kv_data_type=dtype)
+                          kv_data_type=dtype, **_fi_variants(step))
         self.outs = [torch.empty_like(q) for q in step.queries]
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+
+
+def _fi_variants(step: StepInputs) -> dict:
+    """The plan() arguments of FlashInfer's wrappers for the step's window and soft-cap."""
+    return dict(window_left=step.window_left,
+                logits_soft_cap=step.logits_soft_cap if step.logits_soft_cap > 0 else None)
 
 
 class FlashInferXQA(Backend):
@@ -191,6 +214,7 @@ class FlashInferXQA(Backend):
         self.layout, self.workspace = layout, workspace
 
     def plan(self, step: StepInputs) -> None:
+        step.refuse_variants(self.name, window=False, sinks=False)
         self.q_len, self.mask = 1, None
         if step.qo_indptr is not None:
             counts = set(torch.diff(step.qo_indptr).tolist())
@@ -205,9 +229,12 @@ class FlashInferXQA(Backend):
     def run(self, layer: int) -> torch.Tensor:
         s = self.step
         extra = {} if self.mask is None else {"q_len_per_req": self.q_len, "mask": self.mask}
+        if s.sinks is not None:
+            extra["sinks"] = s.sinks[layer]
         return self.fn(s.queries[layer], s.pools[layer], self.workspace, s.block_table, s.seq_lens,
                        self.max_seq_len, bmm1_scale=s.sm_scale, bmm2_scale=1.0,
-                       out=self.outs[layer], kv_layout=self.layout, **extra)
+                       window_left=s.window_left, out=self.outs[layer], kv_layout=self.layout,
+                       **extra)
 
 
 def _causal_draft_mask(rows: int, q_len: int, device: torch.device) -> torch.Tensor:
@@ -235,6 +262,7 @@ class FlashInferPrefill(Backend):
                                                                        backend="fa2")
 
     def plan(self, step: StepInputs) -> None:
+        step.refuse_variants(self.name, window=False, soft_cap=False)
         self.step = step
         dtype = step.queries[0].dtype
         rows = step.batch_size
@@ -243,7 +271,7 @@ class FlashInferPrefill(Backend):
         self.wrapper.plan(qo_indptr.to(step.kv_indptr.device), step.kv_indptr, step.kv_indices,
                           step.kv_last_page_len, step.num_qo_heads, step.num_kv_heads,
                           step.head_dim, step.page_size, causal=True, q_data_type=dtype,
-                          kv_data_type=dtype)
+                          kv_data_type=dtype, **_fi_variants(step))
         self.outs = [torch.empty_like(q) for q in step.queries]
 
     def run(self, layer: int) -> torch.Tensor:
@@ -275,6 +303,7 @@ class PaddedSDPA(Backend):
 
     def plan(self, step: StepInputs) -> None:
         step.one_query_per_row(self.name)
+        step.refuse_variants(self.name)
         self.step = step
         index, valid = _token_index(step)
         self.index = index.reshape(-1)
@@ -300,6 +329,7 @@ class PerSequence(Backend):
 
     def plan(self, step: StepInputs) -> None:
         step.one_query_per_row(self.name)
+        step.refuse_variants(self.name)
         self.step = step
         index, _ = _token_index(step)
         self.rows = [index[r, :n] for r, n in enumerate(step.seq_lens_host)]

@@ -40,7 +40,9 @@ def kv_bytes_per_layer(step: StepInputs) -> int:
 def reference_output(step: StepInputs) -> torch.Tensor:
     out, _ = reference_decode(step.queries[0], step.pools[0], layout=step.layout,
                               kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
-                              kv_last_page_len=step.kv_last_page_len, qo_indptr=step.qo_indptr)
+                              kv_last_page_len=step.kv_last_page_len, qo_indptr=step.qo_indptr,
+                              window_left=step.window_left, logits_soft_cap=step.logits_soft_cap,
+                              sinks=None if step.sinks is None else step.sinks[0])
     return out
 
 

@@ -6,6 +6,8 @@ takes them back as requests finish, so page tables scatter as in a running serve
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +66,9 @@ class RunOptions:
     memory_budget_gb: float = 60.0  # for all layers' pools together
     seed: int = 0
     q_len: str = "1"                # query tokens per row of a static batch: "N", or "mix" (2-8)
+    window_left: int = -1           # attention variants of every step: a sliding window,
+    logits_soft_cap: float = 0.0    # soft-capped scores,
+    sinks: bool = False             # a sink logit per head (drawn per layer)
 
     def __post_init__(self):
         for name in ("layers", "samples", "eager_reps", "check_every"):
@@ -78,6 +83,18 @@ class RunOptions:
                                         and 1 <= int(self.q_len) <= MAX_QUERIES_PER_ROW):
             raise ValueError(f"q_len must be 1 to {MAX_QUERIES_PER_ROW} or 'mix', got "
                              f"{self.q_len!r}")
+        if isinstance(self.window_left, bool) or not isinstance(self.window_left, int) or \
+                self.window_left < -1:
+            raise ValueError(f"window_left must be -1 (none) or an int >= 0, got "
+                             f"{self.window_left!r}")
+        if not (math.isfinite(self.logits_soft_cap) and self.logits_soft_cap >= 0):
+            raise ValueError(f"logits_soft_cap must be a finite float >= 0, got "
+                             f"{self.logits_soft_cap!r}")
+
+    def variants(self) -> dict:
+        """The step's attention variants, as StepInputs takes them (sinks: whether to draw)."""
+        return dict(window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
+                    sinks=self.sinks)
 
 
 def query_counts(q_len: str, seq_lens: list[int], *, seed: int) -> list[int] | None:
@@ -106,8 +123,8 @@ def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, R
     """The tiny shape and options of a run through the CPU interpreter (timings mean nothing)."""
     return (ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=shape.dtype,
                        layout=shape.layout),
-            RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1, seed=opts.seed,
-                       q_len=opts.q_len))
+            dataclasses.replace(opts, layers=2, samples=2, eager_reps=1, graph_reps=0,
+                                check_every=1))
 
 
 def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions) -> int:
@@ -129,8 +146,11 @@ def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.
 
 
 def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
-                generator: torch.Generator, q_counts: list[int] | None = None) -> StepInputs:
-    """A step's inputs; q_counts: query tokens per row (qo_indptr), default one."""
+                generator: torch.Generator, q_counts: list[int] | None = None, *,
+                window_left: int = -1, logits_soft_cap: float = 0.0,
+                sinks: bool = False) -> StepInputs:
+    """A step's inputs; q_counts: query tokens per row (qo_indptr), default one; the attention
+    variants (sinks: a float32 [Hq] logit vector drawn per layer, about the scores' scale)."""
     table = cache.page_table(seq_ids)
     indptr, indices, last = table.csr(cache.device)
     block_table, seq_lens = table.block_table(cache.device)
@@ -140,12 +160,15 @@ def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
     queries = [torch.randn(total, shape.num_qo_heads, shape.head_dim, generator=generator,
                            dtype=torch.float32).to(cache.device, shape.dtype)
                for _ in range(cache.num_layers)]
+    sink_logits = [(2.0 * torch.randn(shape.num_qo_heads, generator=generator)).to(cache.device)
+                   for _ in range(cache.num_layers)] if sinks else None
     return StepInputs(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
                       block_table=block_table, seq_lens=seq_lens,
                       seq_lens_host=[int(x) for x in table.seq_lens], queries=queries,
                       pools=cache.pools, layout=shape.layout, num_qo_heads=shape.num_qo_heads,
                       num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                      page_size=shape.page_size, qo_indptr=qo_indptr)
+                      page_size=shape.page_size, qo_indptr=qo_indptr, window_left=window_left,
+                      logits_soft_cap=logits_soft_cap, sinks=sink_logits)
 
 
 def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts: RunOptions,
@@ -188,7 +211,8 @@ def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelS
                 cache.add_sequence(req)
             cache.append_tokens(req, seq_len - cache.seq_len(req))
         if step.index in chosen:
-            inputs = step_inputs(cache, [req for req, _ in step.rows], shape, generator)
+            inputs = step_inputs(cache, [req for req, _ in step.rows], shape, generator,
+                                 **opts.variants())
             check = done % opts.check_every == 0
             for timing in measure_all(backends, inputs, check=check, opts=opts, dead=dead):
                 measured.steps.append({"step": step.index, **timing.as_dict(),
@@ -222,7 +246,7 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
         cache.append_tokens(i, n)
     inputs = step_inputs(cache, list(range(len(seq_lens))), shape,
                          torch.Generator().manual_seed(opts.seed),
-                         query_counts(opts.q_len, seq_lens, seed=opts.seed))
+                         query_counts(opts.q_len, seq_lens, seed=opts.seed), **opts.variants())
     measured = Measured(name=name, batch_slots=len(seq_lens), layers=layers)
     for timing in measure_all(backends, inputs, check=True, opts=opts, dead=set()):
         measured.steps.append({"step": 0, **timing.as_dict(), "max_seq_len": max(seq_lens)})
