@@ -43,6 +43,8 @@ GRID_MIXES = {
     "B16 mix": [int(n) for n in np.random.default_rng(16).integers(400, 30000, 16)],
     "B32 mix": [int(n) for n in np.random.default_rng(32).integers(400, 32000, 32)],
 }
+# a uniform batch off the B x L grid: what a 4K sliding window makes of B8 L128K (the window bar)
+GRID_EXTRA = {"B8 L4K": [4096] * 8}
 FUNCTIONAL_TRACE = TraceSpec("bucketed", 2, 3)
 FUNCTIONAL_PARAMS = {"buckets": (24, 90), "out_min": 2, "out_max": 3}  # small enough to interpret
 
@@ -50,7 +52,7 @@ FUNCTIONAL_PARAMS = {"buckets": (24, 90), "out_min": 2, "out_max": 3}  # small e
 def grid_cases(names: list[str] | None = None) -> list[tuple[str, list[int]]]:
     """The grid's cells (name, row lengths), or the named ones."""
     cells = [(f"B{b} L{n // 1024}K", [n] * b) for b in GRID_BATCHES for n in GRID_LENGTHS
-             if b * n <= GRID_MAX_TOKENS] + list(GRID_MIXES.items())
+             if b * n <= GRID_MAX_TOKENS] + list(GRID_MIXES.items()) + list(GRID_EXTRA.items())
     if names is None:
         return cells
     unknown = [n for n in names if n not in dict(cells)]
