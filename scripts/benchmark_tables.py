@@ -11,11 +11,16 @@ that `persistentkv bench --grid --preset NAME` wrote), with the geometric mean.
 Queries: per grid cell and query count (--queries, the grids that `persistentkv bench --grid
 --q-len N` wrote), pkv-auto against FlashInfer's fastest path for the same work and against
 pkv-auto at one query, the issue's bars counted; --json writes the same as a summary file.
+Variants: per grid cell and run (--variants, the grids that `persistentkv bench --grid
+--window-left N --soft-cap C --sinks` wrote, with a plain run of each shape), pkv-auto against
+FlashInfer's best with the same features and against the plain step; the issue's bars counted.
 Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/evaluate.json
          [--previous results/h200/v3/grid.json]
      python scripts/benchmark_tables.py --shapes results/h200/shapes/*.json
      python scripts/benchmark_tables.py --queries results/h200/multi-token/qlen-*.json
          [--json results/h200/multi-token.json]
+     python scripts/benchmark_tables.py --variants results/h200/variants/*.json
+         [--json results/h200/variants.json]
 """
 import argparse
 import json
@@ -170,6 +175,98 @@ def queries_table(summary) -> str:
     return "\n".join(out)
 
 
+# issue bars for the variants: a 4096-token window makes B8 L128K cost <= 1.15x a plain B8 L4K
+# step; soft-cap and sinks each cost <= 1.03x the plain step on these cells
+WINDOW_BAR = ("B8 L128K", "B8 L4K", 1.15)
+FEATURE_BAR_CELLS, FEATURE_BAR = ("B8 L8K", "B1 L32K"), 1.03
+
+
+def _variant_name(options) -> str:
+    parts = []
+    if options.get("window_left", -1) >= 0:
+        parts.append(f"window {options['window_left'] + 1}")
+    if options.get("logits_soft_cap", 0.0) > 0:
+        parts.append(f"soft-cap {options['logits_soft_cap']:g}")
+    if options.get("sinks"):
+        parts.append("sinks")
+    return " + ".join(parts) or "plain"
+
+
+def variants_summary(paths) -> dict:
+    """Per run (shape and variant, from each file's environment) and cell: pkv-auto and FlashInfer's
+    best with the same features in us per layer, their ratio, and pkv-auto against the plain run of
+    the same shape; the bars."""
+    runs = []
+    for path in paths:
+        data, by, cases = _rows(path)
+        env = data["environment"]
+        shape = env["shape"]
+        runs.append({"file": path, "shape": f"{shape['num_qo_heads']}/{shape['num_kv_heads']}/"
+                     f"{shape['head_dim']}", "variant": _variant_name(env["options"]),
+                     "environment": env, "by": by, "cases": cases})
+    plain = {r["shape"]: r for r in runs if r["variant"] == "plain"}
+    bars, summary_runs = {}, []
+    for r in runs:
+        base = plain.get(r["shape"])
+        cells = []
+        for case in r["cases"]:
+            ours, fi = r["by"].get((case, "pkv-auto")), r["by"].get((case, "fi-best"))
+            if not ours or ours["status"] != "ok":
+                continue
+            cell = {"case": case, "pkv_us": ours["graph_us_per_layer"]}
+            if fi and fi["status"] == "ok":
+                cell.update(fi_best_us=fi["graph_us_per_layer"], fi_best=fi["note"],
+                            vs_fi=fi["graph_us_per_layer"] / ours["graph_us_per_layer"])
+            plain_row = base["by"].get((case, "pkv-auto")) if base else None
+            if plain_row and plain_row["status"] == "ok":
+                cell["vs_plain"] = ours["graph_us_per_layer"] / plain_row["graph_us_per_layer"]
+            cells.append(cell)
+        with_fi = [c for c in cells if "vs_fi" in c]
+        name = f"{r['shape']} {r['variant']}"
+        bars[f"{name}: >= 1.0x FI"] = f"{sum(c['vs_fi'] >= 0.995 for c in with_fi)} of {len(with_fi)}"
+        by_case = {c["case"]: c for c in cells}
+        if r["variant"] == "window 4096" and base and WINDOW_BAR[0] in by_case:
+            long_, short, bar = WINDOW_BAR
+            ref = base["by"][(short, "pkv-auto")]["graph_us_per_layer"]
+            ratio = by_case[long_]["pkv_us"] / ref
+            bars[f"{name}: {long_} / plain {short} <= {bar}x"] = f"{ratio:.3f}x"
+        if r["variant"] in ("soft-cap 50", "sinks") and base:
+            for case in FEATURE_BAR_CELLS:
+                if case in by_case and "vs_plain" in by_case[case]:
+                    bars[f"{name}: {case} / plain <= {FEATURE_BAR}x"] = f"{by_case[case]['vs_plain']:.3f}x"
+        summary_runs.append({"file": r["file"], "shape": r["shape"], "variant": r["variant"],
+                             "environment": r["environment"], "cells": cells})
+    return {"bars": bars, "runs": summary_runs}
+
+
+def variants_table(summary) -> str:
+    """Case x run: pkv-auto / FI best (x FI; x the plain step)."""
+    runs = summary["runs"]
+    cases = list(dict.fromkeys(c["case"] for r in runs for c in r["cells"]))
+    out = ["| case | " + " | ".join(f"{r['shape']} {r['variant']}: ours / FI us (x FI; x plain)"
+                                     for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    for case in cases:
+        items = []
+        for r in runs:
+            c = next((c for c in r["cells"] if c["case"] == case), None)
+            if c is None:
+                items.append("-")
+                continue
+            fi = f" / {c['fi_best_us']:.1f} ({c['vs_fi']:.2f}x" if "vs_fi" in c else " (-"
+            plain = f"; {c['vs_plain']:.2f})" if "vs_plain" in c and r["variant"] != "plain" else ")"
+            items.append(f"{c['pkv_us']:.1f}{fi}{plain}")
+        out.append(f"| {case} | " + " | ".join(items) + " |")
+    out.append("")
+    out += [f"- {name}: {value}" for name, value in summary["bars"].items()]
+    return "\n".join(out)
+
+
+def _write_json(path, summary) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid", nargs="?")
@@ -177,15 +274,20 @@ def main():
     parser.add_argument("evaluate", nargs="?")
     parser.add_argument("--previous", help="an earlier grid.json, for the 'previous best' column")
     parser.add_argument("--queries", nargs="+", help="grid JSON files of `bench --grid --q-len N`")
-    parser.add_argument("--json", help="with --queries: write the summary here")
+    parser.add_argument("--variants", nargs="+", help="grid JSON files of `bench --grid` with "
+                        "--window-left / --soft-cap / --sinks, and a plain run of each shape")
+    parser.add_argument("--json", help="with --queries or --variants: write the summary here")
     args = parser.parse_args()
     if args.queries:
         summary = queries_summary(args.queries)
         print(queries_table(summary))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=1)
-                f.write("\n")
+            _write_json(args.json, summary)
+    if args.variants:
+        summary = variants_summary(args.variants)
+        print(variants_table(summary))
+        if args.json:
+            _write_json(args.json, summary)
     if args.shapes:
         print(shapes_table(args.shapes))
     if args.grid:
