@@ -2,6 +2,8 @@
 
 Layouts, as FlashInfer names them (P pages, H KV heads, S tokens per page, D head dim):
     "HND": [P, 2, H, S, D]      "NHD": [P, 2, S, H, D]      (index 0 of dim 1 is K, 1 is V)
+An fp8 cache (dtype=torch.float8_e4m3fn) quantizes on append, with scales per tensor or per token
+(quant.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from .allocator import OutOfPagesError, PageAllocator
 from .checks import check_count
 from .page_table import PageTable
+from .quant import FP8, SCALE_GRANULARITIES, check_scale, quantize, row_scales
 
 LAYOUTS = ("NHD", "HND")
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
@@ -29,20 +32,33 @@ def check_layout(layout: object) -> str:
 class PagedKVCache:
     """Page pools for `num_layers` layers and the allocator that hands out their pages.
 
-    Each pool is [num_pages, 2, ...] in `layout`; `pools[layer]` is what `DecodeWrapper.run` takes.
+    Each pool is [num_pages, 2, ...] in `layout`; `pools[layer]` is what `DecodeWrapper.run` takes,
+    with `scales(layer)` beside it for an fp8 cache. dtype=torch.float8_e4m3fn: append() takes
+    K/V in fp16, bf16 or fp32 and quantizes them, with kv_scale="tensor" (the fixed k_scale and
+    v_scale, as calibrated for the model) or "token" (one scale per token and KV head, its amax /
+    448, in `kv_scales[layer]`: fp32 [num_pages, 2, num_kv_heads, page_size]).
     """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float16, layout: str = "NHD",
                  device: torch.device | str = "cpu", shuffle_seed: int | None = None,
-                 init: str = "empty"):
+                 init: str = "empty", kv_scale: str = "tensor", k_scale: float = 1.0,
+                 v_scale: float = 1.0):
         num_layers, num_kv_heads, head_dim = (
             check_count(name, value, minimum=1) for name, value in
             (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
-        if dtype not in CACHE_DTYPES:
-            raise TypeError(f"dtype must be one of {CACHE_DTYPES}, got {dtype}")
+        if dtype not in (*CACHE_DTYPES, FP8):
+            raise TypeError(f"dtype must be one of {(*CACHE_DTYPES, FP8)}, got {dtype}")
         if init not in ("empty", "zeros", "randn"):
             raise ValueError(f"init must be 'empty', 'zeros' or 'randn', got {init!r}")
+        if kv_scale not in SCALE_GRANULARITIES:
+            raise ValueError(f"kv_scale must be one of {SCALE_GRANULARITIES}, got {kv_scale!r}")
+        k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+        if dtype != FP8 and (kv_scale != "tensor" or (k_scale, v_scale) != (1.0, 1.0)):
+            raise ValueError(f"kv_scale, k_scale and v_scale apply to an fp8 cache "
+                             f"(dtype={FP8}), not to dtype={dtype}")
+        self.fp8 = dtype == FP8
+        self.kv_scale, self.k_scale, self.v_scale = kv_scale, k_scale, v_scale
         self.layout = check_layout(layout)
         self.allocator = PageAllocator(num_pages, page_size, shuffle_seed=shuffle_seed)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -52,7 +68,17 @@ class PagedKVCache:
                  else (self.page_size, num_kv_heads))
         shape = (self.num_pages, 2, *inner, head_dim)
         make = {"empty": torch.empty, "zeros": torch.zeros, "randn": torch.randn}[init]
-        self.pools = [make(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        per_token = self.fp8 and kv_scale == "token"
+        self.kv_scales = [torch.ones(self.num_pages, 2, num_kv_heads, self.page_size,
+                                     dtype=torch.float32, device=self.device)
+                          for _ in range(num_layers)] if per_token else None
+        if not self.fp8:
+            self.pools = [make(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        else:                       # fp8: random values quantized as append() would
+            self.pools = []
+            for layer in range(num_layers):
+                x = make(shape, dtype=torch.float32, device=self.device)
+                self.pools.append(self._quantized(x, layer) if init == "randn" else x.to(FP8))
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: object) -> None:
@@ -64,9 +90,19 @@ class PagedKVCache:
     def seq_len(self, seq_id: object) -> int:
         return self.allocator.sequence(seq_id).length
 
+    def scales(self, layer: int) -> dict:
+        """run()'s scale arguments for `layer`: {} (fp16/bf16), {k_scale, v_scale} (fp8 per
+        tensor) or {kv_scales} (fp8 per token)."""
+        if not self.fp8:
+            return {}
+        if self.kv_scales is not None:
+            return {"kv_scales": self.kv_scales[layer]}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
     def append(self, seq_id: object, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens of every layer. k, v: [num_layers, n, Hkv, D] in the cache's dtype, on
-        any device (copied to the cache's first).
+        """Write new tokens of every layer. k, v: [num_layers, n, Hkv, D] in the cache's dtype
+        (an fp8 cache: fp16, bf16 or fp32, quantized here), on any device (copied to the
+        cache's first).
 
         Pages are allocated as needed. On any error (bad k or v, OutOfPagesError when the pool
         runs out) the cache is left as it was: no token counted, no page taken, nothing written.
@@ -117,7 +153,10 @@ class PagedKVCache:
             if tuple(t.shape) != expect:
                 raise ValueError(f"{name} must be [num_layers, n, num_kv_heads, head_dim] = "
                                  f"{list(expect)}, got {list(t.shape)}")
-            if t.dtype != self.dtype:
+            if self.fp8 and t.dtype not in (*CACHE_DTYPES, torch.float32):
+                raise TypeError(f"{name}.dtype must be float16, bfloat16 or float32 (quantized "
+                                f"into the fp8 cache), got {t.dtype}")
+            if not self.fp8 and t.dtype != self.dtype:
                 raise TypeError(f"{name}.dtype must be the cache's {self.dtype}, got {t.dtype}")
             if t.device.type == "meta":
                 raise ValueError(f"{name} is on the meta device: it holds no values to write")
@@ -130,10 +169,28 @@ class PagedKVCache:
         s = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)
         for layer, pool in enumerate(self.pools):
             for kv, src in ((0, k), (1, v)):
+                rows = src[layer]                                        # [n, Hkv, D]
+                if self.kv_scales is not None:                           # fp8, per token
+                    scale = row_scales(rows)                             # [n, Hkv]
+                    self.kv_scales[layer][p, kv, :, s] = scale
+                    rows = quantize(rows, scale[..., None])
+                elif self.fp8:
+                    rows = quantize(rows, self.k_scale if kv == 0 else self.v_scale)
                 if self.layout == "NHD":
-                    pool[p, kv, s] = src[layer]
+                    pool[p, kv, s] = rows
                 else:
-                    pool[p, kv, :, s] = src[layer]
+                    pool[p, kv, :, s] = rows
+
+    def _quantized(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """A whole pool x (fp32, [P, 2, ...] in the layout) in fp8, its scales set (per token)."""
+        if self.kv_scales is None:
+            return torch.stack([quantize(x[:, 0], self.k_scale),
+                                quantize(x[:, 1], self.v_scale)], dim=1)
+        rows = x if self.layout == "HND" else x.transpose(2, 3)          # [P, 2, H, S, D]
+        scale = row_scales(rows)                                         # [P, 2, H, S]
+        self.kv_scales[layer].copy_(scale)
+        q = quantize(rows, scale[..., None])
+        return q if self.layout == "HND" else q.transpose(2, 3).contiguous()
 
     # -- page tables -----------------------------------------------------------------------------
     def page_table(self, seq_ids: Iterable[object] | None = None) -> PageTable:

@@ -29,14 +29,18 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, limit, lower,
-                  stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
+def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
+                  lower, stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                  SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr):
+                  SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+                  TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr):
     """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi).
 
     CAUSAL: tile row r sees positions <= limit[r] only; WINDOW: positions >= lower[r] only.
+    KV_FP8: K/V are e4m3, converted to q's dtype per tile; TOKEN_SCALES: each token's K and V
+    rows have their own scale (scales fp32 [pages, 2, Hkv, PAGE_SIZE], scales_base at this KV
+    head's K scales, V's SCALE_KV further).
     SOFT_CAP: scores s = soft_cap * tanh(s / soft_cap) (s = sm_scale * q.k). A hidden score is
     -1e30, not -inf, so that a tile hiding a whole row stays finite; a row that sees none of
     [tok_lo, tok_hi) holds garbage, which the caller drops (its lse is set to -inf)."""
@@ -53,16 +57,27 @@ def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, li
         tok = start + offs_n
         valid = tok < tok_hi
         offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
+        if TOKEN_SCALES:          # the tile's scale slots, from its page (before `page` moves on)
+            s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE                    # [N]
         nxt = tok + BLOCK_N
         page = tl.load(indices_ptr + page_start + nxt // PAGE_SIZE, mask=nxt < tok_hi, other=0)
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v_sc = 1.0
+        if TOKEN_SCALES:
+            k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)                     # [N]
+            v_sc = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)          # [N]
         if UPCAST:
             scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             v = v.to(tl.float32)
+        elif KV_FP8:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+            v = v.to(q.dtype)
         else:
             scores = tl.dot(q, tl.trans(k))
+        if TOKEN_SCALES:
+            scores = scores * k_sc[None, :]
         if SOFT_CAP:   # base 2: soft_cap * log2(e) * tanh(sm_scale * q.k / soft_cap)
             scores = (soft_cap * LOG2_E) * _tanh(scores * (scale_log2 / (LOG2_E * soft_cap)))
         else:
@@ -72,7 +87,7 @@ def _attend_range(q, k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, li
         if WINDOW:
             scores = tl.where(tok[None, :] >= lower[:, None], scores, -1e30)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v, v_sc, TOKEN_SCALES)
     return acc, m_i, l_i
 
 
@@ -89,7 +104,8 @@ def _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh,
 
 @triton.jit
 def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
-                 q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
+                 q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                 sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                  out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                  stride_qb, stride_qh, stride_ob, stride_oh,
                  stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
@@ -98,7 +114,8 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                  G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                 SOFT_CAP: tl.constexpr, SINKS: tl.constexpr):
+                 SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+                 TOKEN_SCALES: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row.
 
     Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
@@ -120,13 +137,18 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
     if UPCAST:
         q = q.to(tl.float32)
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
-    acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
+    if KV_FP8:                              # a per-tensor K scale folds into the score scale
+        scale_log2 = scale_log2 * k_scale
+    acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off,
+                                  kv_scales_ptr + kv_head * PAGE_SIZE, indices_ptr,
                                   page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
                                   stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
                                   G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1, WINDOW, SOFT_CAP,
-                                  UPCAST)
+                                  UPCAST, KV_FP8, TOKEN_SCALES, NUM_KV_HEADS * PAGE_SIZE)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_FP8:                              # and a per-tensor V scale into the output
+        o = o * v_scale
     lse2 = m_i + tl.math.log2(l_safe)
     if (Q_PAD > 1) | WINDOW:                # a query that sees none of this task's tokens
         seen = limit >= tok_lo
@@ -281,7 +303,7 @@ def _load_task(tasks_ptr, record, valid):
 
 @triton.jit(do_not_specialize=["num_q_rows", "window_left"])
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr,
-                        sinks_ptr,
+                        sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                         tasks_ptr, info_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                         stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
@@ -290,10 +312,13 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                        SOFT_CAP: tl.constexpr, SINKS: tl.constexpr):
+                        SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
+                        TOKEN_SCALES: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
-    sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set).
+    sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
+    (KV_FP8): K = k_scale * K8 and V = v_scale * V8, or (TOKEN_SCALES) per token and KV head
+    from kv_scales fp32 [pages, 2, Hkv, PAGE_SIZE] (k_scale = v_scale = 1).
 
     tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
     the task count at 0, the claim counter at 3 and a balanced plan's chunk count at 5. Items
@@ -321,35 +346,38 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         # small steps than a loop run once.
         if item < tl.where(chained > 0, chained, num_items):
             _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
+                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                         sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
                 _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
-                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
+                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                             sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                              stride_qb, stride_qh, stride_ob, stride_oh,
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                              num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
                              G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
-                             UPCAST, WINDOW, SOFT_CAP, SINKS)
+                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
             _decode_task(row, item % NUM_KV_HEADS, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
+                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
+                         sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
                          stride_qb, stride_qh, stride_ob, stride_oh,
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
@@ -359,13 +387,16 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
                       return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
-                      soft_cap: bool = False, sinks: bool = False) -> dict:
+                      soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
+                      token_scales: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
-    window, soft_cap, sinks: which variants the kernel computes (each off costs nothing)."""
+    window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
+    kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
                 G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
-                WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks)
+                WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
+                TOKEN_SCALES=token_scales)

@@ -9,16 +9,19 @@ import triton.language as tl
 
 
 @triton.jit
-def online_softmax_step(acc, m_i, l_i, scores, v):
+def online_softmax_step(acc, m_i, l_i, scores, v, v_scale, V_SCALED: tl.constexpr):
     """Fold one tile into the running state.
 
     acc [M, D] fp32, m_i [M] running max, l_i [M] running sum, scores [M, N] base-2 (masked
-    tokens at -inf, at least one finite per row), v [N, D]. Returns the new (acc, m_i, l_i).
+    tokens at -inf, at least one finite per row), v [N, D]; V_SCALED: v's rows are quantized, row
+    j's value is v_scale[j] * v[j] (v_scale [N] fp32). Returns the new (acc, m_i, l_i).
     """
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if V_SCALED:
+        p = p * v_scale[None, :]
     if v.dtype == tl.float32:
         pv = tl.dot(p, v, input_precision="ieee")
     else:

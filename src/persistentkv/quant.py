@@ -1,0 +1,58 @@
+"""An fp8 (e4m3) KV cache: quantization on append, the scales' two granularities, their checks.
+
+Per tensor: one k_scale and one v_scale per layer (vLLM's and FlashInfer's convention); a stored
+value x8 stands for scale * x8. Per token: one scale per token and KV head for its K row and one
+for its V row, kept beside the pool as fp32 [pages, 2, Hkv, page_size] (index 0 of dim 1: K),
+each the row's amax / 448, so that a token appended alone never saturates and never rescales the
+tokens before it. Quantization saturates: a value beyond the scale's range becomes +-448 x scale,
+never inf or NaN.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                 # the largest finite e4m3 value
+SCALE_GRANULARITIES = ("tensor", "token")
+MIN_SCALE = 1e-12               # a token row of zeros still gets a positive scale
+
+
+def quantize(x: torch.Tensor, scale) -> torch.Tensor:
+    """x / scale in e4m3, saturated to +-448 (scale: a float, or a tensor broadcasting to x)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-row scales of x [..., D]: amax / 448 over the last dim, at least MIN_SCALE; fp32 [...]."""
+    return (x.float().abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+
+
+def check_scale(name: str, value: object) -> float:
+    """A per-tensor scale: a positive finite real number."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not real:
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+    return float(value)
+
+
+def check_token_scales(kv_scales: object, *, num_pages: int, num_kv_heads: int, page_size: int,
+                       device: torch.device) -> torch.Tensor:
+    """Per-token scales as the kernel reads them: contiguous fp32 [pages, 2, Hkv, page_size] on
+    the cache's device (values are not read: positive by construction, PagedKVCache.append)."""
+    if not isinstance(kv_scales, torch.Tensor):
+        raise TypeError(f"kv_scales must be a torch.Tensor, got {type(kv_scales).__name__}")
+    if kv_scales.dtype != torch.float32:
+        raise TypeError(f"kv_scales must have dtype torch.float32, got {kv_scales.dtype}")
+    want = (num_pages, 2, num_kv_heads, page_size)
+    if tuple(kv_scales.shape) != want or not kv_scales.is_contiguous():
+        raise ValueError(f"kv_scales must be a contiguous [num_pages, 2, num_kv_heads, "
+                         f"page_size] = {list(want)} tensor, got shape {list(kv_scales.shape)} "
+                         f"and strides {kv_scales.stride()}")
+    if kv_scales.device != device:
+        raise ValueError(f"kv_scales is on {kv_scales.device}, but the kv_cache is on {device}")
+    return kv_scales
