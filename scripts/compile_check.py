@@ -20,7 +20,8 @@ from persistentkv.tuning import default_config
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
             "tasks_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
             "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
-            "qo_indptr_ptr": "*i32", "row_lens_ptr": "*i32", "sinks_ptr": "*fp32"}
+            "qo_indptr_ptr": "*i32", "row_lens_ptr": "*i32", "sinks_ptr": "*fp32",
+            "kv_scales_ptr": "*fp32"}
 
 
 def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_queries: int = 1,
@@ -35,9 +36,11 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     for name in names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in ("k_ptr", "v_ptr") and "kv_fp8" in variants:
+            signature[name] = "*fp8e4nv"
         elif name in POINTERS:
             signature[name] = POINTERS[name]
-        elif name in ("scale_log2", "soft_cap"):
+        elif name in ("scale_log2", "soft_cap", "k_scale", "v_scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -71,7 +74,8 @@ def main():
     parser.add_argument("--queries", action="store_true",
                         help="group 4, d 128 with 2, 4, 8 and 16 query tokens per row")
     parser.add_argument("--variants", default="",
-                        help="comma-separated kernel variants to compile in: window, soft_cap, sinks")
+                        help="comma-separated kernel variants to compile in: window, soft_cap, "
+                             "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))

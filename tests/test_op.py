@@ -24,7 +24,8 @@ def test_opcheck(backend):
     plan, pool = w.current_plan, case.kv_cache
     ws, cfg = plan.workspace, plan.config
     w.run(case.q, pool)               # a trusted table: the first run() makes the guarded copy
-    args = (case.q, pool, pool, plan.indices, plan.indices, None, ws.tasks, ws.info, ws.part_o,
+    args = (case.q, pool, pool, plan.indices, plan.indices, None, None, 1.0, 1.0, ws.tasks,
+            ws.info, ws.part_o,
             ws.part_lse, ws.counters, ws.row_lens,
             [pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(1)],
             plan.sm_scale, plan.num_kv_heads, plan.page_size, plan.programs, cfg.block_n,

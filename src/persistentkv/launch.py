@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
+from .quant import FP8, check_scale, check_token_scales
 from .runtime import interpreting
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (   # what Triton itself uses
@@ -68,8 +69,10 @@ class BoundLaunch:
         g = self.grid + (1,) * (3 - len(self.grid))
         self.direct = (compiled.run, g[0], g[1], g[2], compiled.function, compiled.packed_metadata)
 
-    def __call__(self, *leading: torch.Tensor) -> None:
-        self.with_pointers(leading, [t.data_ptr() for t in leading])
+    def __call__(self, *leading) -> None:
+        """Leading tensors go by their data_ptr(), leading scalars as they are."""
+        self.with_pointers(leading, [t.data_ptr() if isinstance(t, torch.Tensor) else t
+                                     for t in leading])
 
     def with_pointers(self, leading: tuple, pointers: list) -> None:
         """Launch; pointers[i] is leading[i].data_ptr()."""
@@ -104,8 +107,12 @@ class DecodeLauncher:
         self._launcher = Launcher(paged_decode_kernel)
         self._prepared: dict = {}
 
-    def run(self, plan, q, kv_cache, out, return_lse: bool, sinks=None):
-        """Launch one layer; returns (out, lse or None)."""
+    def run(self, plan, q, kv_cache, out, return_lse: bool, sinks=None, scales=(None, None, None)):
+        """Launch one layer; returns (out, lse or None). scales: (k_scale, v_scale, kv_scales) of
+        an fp8 cache (run()'s arguments), all None for fp16/bf16."""
+        k_scale, v_scale, kv_scales = scales
+        if k_scale is not None or v_scale is not None:   # per call: the values change by layer
+            k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         try:
             if isinstance(kv_cache, torch.Tensor):
                 k = v = kv_cache
@@ -119,12 +126,17 @@ class DecodeLauncher:
                    None if out is None else (out.shape, out.dtype, out.device, out.stride(), op % 16),
                    return_lse,
                    None if sinks is None else (sinks.shape, sinks.dtype, sinks.device, sinks.stride(),
-                                               sinks.data_ptr() % 16))
+                                               sinks.data_ptr() % 16),
+                   k_scale is None,
+                   None if kv_scales is None else (kv_scales.shape, kv_scales.dtype,
+                                                   kv_scales.device, kv_scales.stride(),
+                                                   kv_scales.data_ptr() % 16))
         except (AttributeError, TypeError, ValueError):
             sig = None
         prepared = self._prepared.get(sig)
         if prepared is None:
-            prepared = self._prepare(plan, q, kv_cache, out, return_lse, sinks)
+            prepared = self._prepare(plan, q, kv_cache, out, return_lse, sinks,
+                                     k_scale is not None, kv_scales)
             if sig is not None:
                 if len(self._prepared) > 64:   # launches of old plan bindings
                     self._prepared.clear()
@@ -140,18 +152,22 @@ class DecodeLauncher:
                 plan.guard.ensure(k.shape[0])
             qo = plan.indices if plan.queries is None else plan.queries.indptr   # unread for decode
             sk = plan.indices if sinks is None else sinks                      # unread without
+            ks = plan.indices if kv_scales is None else kv_scales
+            kf, vf = (1.0, 1.0) if k_scale is None else (k_scale, v_scale)
             if sig is None:
-                prepared(q, k, v, out, out if lse is None else lse, plan.indices, qo, sk)
+                prepared(q, k, v, out, out if lse is None else lse, plan.indices, qo, sk, ks, kf, vf)
             else:
                 prepared.with_pointers((q, k, v, out, out if lse is None else lse, plan.indices, qo,
-                                        sk),
+                                        sk, ks, kf, vf),
                                        [qp, kp, vp, op, op if lse is None else lse.data_ptr(),
-                                        plan.indices_ptr, qo.data_ptr(), sk.data_ptr()])
+                                        plan.indices_ptr, qo.data_ptr(), sk.data_ptr(),
+                                        ks.data_ptr(), kf, vf])
         return out, lse
 
-    def _prepare(self, plan, q, kv_cache, out, return_lse: bool, sinks) -> BoundLaunch:
+    def _prepare(self, plan, q, kv_cache, out, return_lse: bool, sinks, tensor_scales: bool,
+                 kv_scales) -> BoundLaunch:
         """Check run()'s arguments in full; the launch with everything but q, k, v, out, lse, the
-        page indices, qo_indptr and the sinks bound."""
+        page indices, qo_indptr, the sinks and the fp8 scales bound."""
         from .cache import CACHE_DTYPES
         from .checks import check_same_device, check_tensor
         from .kernels.decode import decode_constexprs
@@ -168,8 +184,20 @@ class DecodeLauncher:
         if q.stride(-1) != 1:
             raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
         k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, self.kv_layout)
-        if k.dtype != q.dtype:
+        fp8 = k.dtype == FP8
+        if not fp8 and k.dtype != q.dtype:
             raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
+        if not fp8 and (tensor_scales or kv_scales is not None):
+            raise ValueError(f"k_scale, v_scale and kv_scales dequantize an fp8 kv_cache; this "
+                             f"one is {k.dtype}")
+        if fp8 and tensor_scales == (kv_scales is not None):
+            raise ValueError("an fp8 kv_cache needs its scales: k_scale= and v_scale= (per "
+                             "tensor) or kv_scales= (per token), one of the two"
+                             if not tensor_scales else
+                             "give k_scale/v_scale (per tensor) or kv_scales (per token), not both")
+        if kv_scales is not None:
+            check_token_scales(kv_scales, num_pages=num_pages, num_kv_heads=heads, page_size=page,
+                               device=k.device)
         check_same_device(plan.indices.device, q=q, kv_cache=k)
         if (heads, page, dim) != (plan.num_kv_heads, plan.page_size, plan.head_dim):
             raise ValueError(f"kv_cache ({self.kv_layout}) has num_kv_heads={heads}, page_size={page}, "
@@ -210,13 +238,14 @@ class DecodeLauncher:
             return_lse=return_lse, upcast=interpreting(),
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
-            sinks=sinks is not None)
+            sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None)
         # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
         # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
         # allocator, always aligned).
         key = (tuple(constexprs.values()), q.dtype, strides, q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
-               None if sinks is None else sinks.data_ptr() % 16)
+               None if sinks is None else sinks.data_ptr() % 16,
+               None if kv_scales is None else kv_scales.data_ptr() % 16)
         return self._launcher.bind(grid=(plan.programs,), key=key, fixed=fixed,
                                    constexprs=constexprs, num_warps=plan.config.num_warps,
                                    num_stages=plan.config.num_stages, device_index=q.device.index)

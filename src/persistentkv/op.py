@@ -12,14 +12,16 @@ from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .kernels.guard import GUARD_BLOCK, guard_grid, guard_pages_kernel
 from .launch import LOG2_E, cache_strides
 from .page_inputs import cache_views
+from .quant import FP8, check_scale, check_token_scales
 from .runtime import interpreting
 
 
 @torch.library.custom_op("persistentkv::paged_decode",
                          mutates_args=("info", "part_o", "part_lse", "counters"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                 qo_indptr: torch.Tensor, sinks: torch.Tensor | None, tasks: torch.Tensor,
-                 info: torch.Tensor,
+                 qo_indptr: torch.Tensor, sinks: torch.Tensor | None,
+                 kv_scales: torch.Tensor | None, k_scale: float, v_scale: float,
+                 tasks: torch.Tensor, info: torch.Tensor,
                  part_o: torch.Tensor, part_lse: torch.Tensor, counters: torch.Tensor,
                  row_lens: torch.Tensor, cache_strides: list[int], sm_scale: float,
                  num_kv_heads: int, page_size: int, programs: int, block_n: int, num_warps: int,
@@ -27,7 +29,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                  logits_soft_cap: float) -> torch.Tensor:
     """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
     max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
-    sinks None: off).
+    sinks None: off; an fp8 k, v: scaled by k_scale and v_scale, or per token by kv_scales).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
     """
@@ -36,7 +38,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     if total == 0:
         return out
     paged_decode_kernel[(programs,)](
-        q, k, v, out, out, indices, qo_indptr, indices if sinks is None else sinks, tasks, info,
+        q, k, v, out, out, indices, qo_indptr, indices if sinks is None else sinks,
+        indices if kv_scales is None else kv_scales, k_scale, v_scale, tasks, info,
         part_o, part_lse, counters, row_lens, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *cache_strides, sm_scale * LOG2_E, total, window_left,
         logits_soft_cap or 1.0,
@@ -44,13 +47,15 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                             head_dim=head_dim, page_size=page_size, block_n=block_n,
                             return_lse=False, upcast=interpreting(), max_queries=max_queries,
                             window=window_left >= 0, soft_cap=logits_soft_cap > 0,
-                            sinks=sinks is not None),
+                            sinks=sinks is not None, kv_fp8=k.dtype == FP8,
+                            token_scales=kv_scales is not None),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, tasks, info, part_o, part_lse, counters,
+def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, kv_scales, k_scale, v_scale, tasks,
+                       info, part_o, part_lse, counters,
                        row_lens, cache_strides, sm_scale, num_kv_heads, page_size, programs,
                        block_n, num_warps, num_stages, max_queries, window_left, logits_soft_cap):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -72,13 +77,22 @@ def _guard_pages_fake(indices, meta, safe, info, num_rows, row_stride, width, ex
     return None
 
 
-def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None, *,
-                  kv_layout: str) -> torch.Tensor:
+def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
+                  scales=(None, None, None), *, kv_layout: str) -> torch.Tensor:
     """run() under torch.compile: the registered op, which the compiler can trace."""
     if out is not None or return_lse:
         raise ValueError("under torch.compile, run() returns a new output and no lse: "
                          "call it without out= and return_lse=")
-    k, v, _ = cache_views(kv_cache, kv_layout)
+    k, v, (num_pages, heads, page, _) = cache_views(kv_cache, kv_layout)
+    k_scale, v_scale, kv_scales = scales
+    if (k.dtype == FP8) != (k_scale is not None or kv_scales is not None):
+        raise ValueError("an fp8 kv_cache takes k_scale and v_scale or kv_scales; other caches "
+                         "take none")
+    if kv_scales is not None:
+        check_token_scales(kv_scales, num_pages=num_pages, num_kv_heads=heads, page_size=page,
+                           device=k.device)
+    if k_scale is not None:
+        k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     strides = list(cache_strides(k, kv_layout))
     if isinstance(kv_cache, torch.Tensor):
         k = v = kv_cache
@@ -90,7 +104,9 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None, *,
         guard_pages(*guard.leading, *guard.fixed, k.shape[0], guard.page_size, guard.csr)
     queries = plan.queries
     return paged_decode(q, k, v, plan.indices,
-                        plan.indices if queries is None else queries.indptr, sinks, ws.tasks, ws.info,
+                        plan.indices if queries is None else queries.indptr, sinks, kv_scales,
+                        1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale,
+                        ws.tasks, ws.info,
                         ws.part_o, ws.part_lse, ws.counters, ws.row_lens, strides, plan.sm_scale,
                         plan.num_kv_heads, plan.page_size, plan.programs, cfg.block_n,
                         cfg.num_warps, cfg.num_stages,

@@ -24,8 +24,9 @@ def _split_pool(kv_cache, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float | None = None,
                      kv_indptr=None, kv_indices=None, kv_last_page_len=None,
                      block_table=None, seq_lens=None, qo_indptr=None, window_left: int = -1,
-                     logits_soft_cap: float = 0.0,
-                     sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     logits_soft_cap: float = 0.0, sinks=None, k_scale: float | None = None,
+                     v_scale: float | None = None,
+                     kv_scales=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact decode attention. q: [B, Hq, D], or [qo_indptr[B], Hq, D] with qo_indptr (row b's
     queries q[qo_indptr[b]:qo_indptr[b+1]] are its last n tokens; query j sees positions
     < length - n + j + 1). Returns (out like q in float64, lse [q.shape[0], Hq] float64).
@@ -35,6 +36,8 @@ def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float 
     head in the softmax's denominator, with no value (out = sum_j e^(s_j) v_j / (e^sink +
     sum_j e^(s_j))). lse is the natural-log log-sum-exp of the scores (and the sink). Give the
     page table as CSR (kv_indptr, kv_indices, kv_last_page_len) or as (block_table, seq_lens).
+    An fp8 cache is read as the values it stands for: K = k_scale * K8 and V = v_scale * V8, or
+    per token and KV head from kv_scales [P, 2, Hkv, S].
     """
     k_pool, v_pool = _split_pool(kv_cache, layout)
     total, num_qo_heads, head_dim = q.shape
@@ -56,6 +59,12 @@ def reference_decode(q: torch.Tensor, kv_cache, *, layout: str, sm_scale: float 
         pages = pages.to(k_pool.device)
         keys = k_pool[pages].reshape(-1, num_kv_heads, head_dim)[:length].double()    # [L, Hkv, D]
         values = v_pool[pages].reshape(-1, num_kv_heads, head_dim)[:length].double()  # [L, Hkv, D]
+        if kv_scales is not None:   # [P, 2, Hkv, S] -> per token [L, Hkv]
+            token = kv_scales[pages.to(kv_scales.device)].double().transpose(2, 3)   # [n, 2, S, Hkv]
+            keys = keys * token[:, 0].reshape(-1, num_kv_heads)[:length, :, None].to(keys.device)
+            values = values * token[:, 1].reshape(-1, num_kv_heads)[:length, :, None].to(keys.device)
+        elif k_scale is not None:
+            keys, values = keys * k_scale, values * v_scale
         keys, values = keys.to(q.device), values.to(q.device)
         first, n = starts[row], starts[row + 1] - starts[row]
         for j in range(n):

@@ -191,7 +191,9 @@ class DecodeWrapper:
         return plan
 
     def run(self, q: torch.Tensor, kv_cache, *, out: torch.Tensor | None = None,
-            return_lse: bool = False, sinks: torch.Tensor | None = None):
+            return_lse: bool = False, sinks: torch.Tensor | None = None,
+            k_scale: float | None = None, v_scale: float | None = None,
+            kv_scales: torch.Tensor | None = None):
         """Decode attention for one layer.
 
         q: [B, Hq, D] fp16/bf16, the cache's dtype. kv_cache: [P, 2, H, S, D] (HND) or [P, 2, S, H, D]
@@ -200,6 +202,10 @@ class DecodeWrapper:
         scaled scores, sm_scale * q.k (and of the sink). sinks: float32 [Hq] on q's device, one
         learned logit per query head that joins each softmax's denominator with no value
         (gpt-oss): out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)).
+        An fp8 (e4m3) kv_cache takes its scales: k_scale and v_scale (floats, per tensor: K =
+        k_scale * K8) or kv_scales (fp32 [num_pages, 2, num_kv_heads, page_size], per token and
+        KV head, as PagedKVCache(kv_scale="token") keeps them); `cache.scales(layer)` gives
+        either. q stays fp16/bf16 and out is in q's dtype.
         """
         plan = self.current_plan
         if not isinstance(return_lse, bool):
@@ -208,8 +214,9 @@ class DecodeWrapper:
             from .op import traced_decode
 
             return traced_decode(plan, q, kv_cache, out, return_lse, sinks,
-                                 kv_layout=self.kv_layout)
-        out, lse = self._launcher.run(plan, q, kv_cache, out, return_lse, sinks)
+                                 (k_scale, v_scale, kv_scales), kv_layout=self.kv_layout)
+        out, lse = self._launcher.run(plan, q, kv_cache, out, return_lse, sinks,
+                                      (k_scale, v_scale, kv_scales))
         return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,245 @@
+"""An fp8 (e4m3) KV cache: per-tensor and per-token scales, in every schedule and table form, with
+several queries and the variants, against the float64 reference on the values the cache stands
+for; quantization on append (saturating, per-token scales that never rescale earlier tokens);
+and the errors for missing or bad scales."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case
+from persistentkv import (BACKENDS, TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode,
+                          relative_error)
+from persistentkv.quant import FP8, FP8_MAX, quantize, row_scales
+
+HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+
+
+def fp8_pool(pool: torch.Tensor, layout: str, granularity: str) -> tuple[torch.Tensor, dict]:
+    """An fp16 [P, 2, ...] pool in e4m3 and run()'s scale arguments for it."""
+    x = pool.float()
+    if granularity == "tensor":
+        k_scale = float(x[:, 0].abs().max()) / FP8_MAX
+        v_scale = float(x[:, 1].abs().max()) / FP8_MAX
+        q8 = torch.stack([quantize(x[:, 0], k_scale), quantize(x[:, 1], v_scale)], dim=1)
+        return q8, dict(k_scale=k_scale, v_scale=v_scale)
+    rows = x if layout == "HND" else x.transpose(2, 3)           # [P, 2, H, S, D]
+    scales = row_scales(rows)                                    # [P, 2, H, S]
+    q8 = quantize(rows, scales[..., None])
+    q8 = q8 if layout == "HND" else q8.transpose(2, 3).contiguous()
+    return q8, dict(kv_scales=scales.contiguous())
+
+
+def _check(case, granularity, *, backend, table_form="csr", split_pages=None, q_lens=None,
+           seed=0, heads=HEADS, variants=None, deterministic=False, wrapper_kwargs=None,
+           sinks=None):
+    """Run on the fp8 cache (out poisoned with NaN); returns (error against the reference on the
+    fp8 values, error against the fp16 original)."""
+    pool8, scales = fp8_pool(case.kv_cache, case.layout, granularity)
+    kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
+    q, qo_indptr = case.q, None
+    if q_lens is not None:
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(sum(q_lens), *case.q.shape[1:], generator=gen).to(case.q.dtype).to(DEVICE)
+        qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    wrapper = DecodeWrapper(case.layout, **(wrapper_kwargs or {}))
+    wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr,
+                 deterministic=deterministic, **(variants or {}))
+    out = torch.full_like(q, float("nan"))
+    lse = wrapper.run(q, pool8, out=out, return_lse=True, sinks=sinks, **scales)[1]
+    common = dict(layout=case.layout, qo_indptr=qo_indptr, sinks=sinks, **(variants or {}),
+                  **csr_kwargs(case.table))
+    ref, ref_lse = reference_decode(q, pool8, **scales, **common)
+    original, _ = reference_decode(q, case.kv_cache, **common)
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[q.dtype], (granularity, backend, err)
+    assert relative_error(lse, ref_lse) <= 1e-4
+    return err, relative_error(out, original)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_every_schedule(granularity, backend):
+    case = make_case(seq_lens=[300, 9, 130, 33], **HEADS, layout="HND", seed=1)
+    _, vs_fp16 = _check(case, granularity, backend=backend,
+                        split_pages=2 if backend == "split" else None)
+    assert vs_fp16 < 0.1     # e4m3 keeps 3 mantissa bits: a few 1e-2 against the fp16 original
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fp8_with_queries_variants_and_bf16(layout):
+    """Several queries per row, a window, soft-cap and sinks on an fp8 cache, q in bf16."""
+    case = make_case(seq_lens=[200, 7, 90], **HEADS, layout=layout, seed=2, dtype=torch.bfloat16)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    for granularity in ("tensor", "token"):
+        _check(case, granularity, backend="split", split_pages=1, q_lens=[5, 3, 8],
+               table_form="block", variants=dict(window_left=25, logits_soft_cap=5.0),
+               sinks=sinks)
+
+
+def test_fp8_graph_mode_and_deterministic():
+    case = make_case(seq_lens=[300, 70], **HEADS, layout="HND", seed=4)
+    pages = sum(len(p) for p in case.table.row_pages)
+    _check(case, "token", backend="auto",
+           wrapper_kwargs=dict(use_cuda_graph=True, max_batch_size=2, max_num_pages=pages))
+    _check(case, "tensor", backend="split", deterministic=True)
+
+
+def test_fp8_torch_compile():
+    case = make_case(seq_lens=[120, 40], **HEADS, layout="HND", seed=5)
+    pool8, scales = fp8_pool(case.kv_cache, "HND", "token")
+    wrapper = DecodeWrapper("HND")
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, backend="split", split_pages=1)
+    backend = "inductor" if ON_GPU else "aot_eager"
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def attend(q, kv, s):
+        return wrapper.run(q * 1.0, kv, kv_scales=s) + 0.0
+
+    torch._dynamo.reset()
+    ref, _ = reference_decode(case.q, pool8, layout="HND", **scales, **csr_kwargs(case.table))
+    assert relative_error(attend(case.q, pool8, scales["kv_scales"]), ref) <= 2e-3
+
+
+@settings(max_examples=10 if ON_GPU else 15, deadline=None, derandomize=True)
+@given(st.data())
+def test_random_fp8(data):
+    draw = data.draw
+    rows = draw(st.integers(1, 3), label="rows")
+    seq_lens = [draw(st.integers(1, 260), label="seq_len") for _ in range(rows)]
+    group = draw(st.sampled_from([1, 4, 5]), label="group")
+    heads = dict(num_qo_heads=2 * group, num_kv_heads=2, head_dim=32,
+                 page_size=draw(st.sampled_from([1, 8, 16]), label="page_size"))
+    backend = draw(st.sampled_from(BACKENDS), label="backend")
+    case = make_case(seq_lens=seq_lens, **heads,
+                     layout=draw(st.sampled_from(["HND", "NHD"]), label="layout"),
+                     seed=draw(st.integers(0, 2**16), label="seed"))
+    _check(case, draw(st.sampled_from(["tensor", "token"]), label="granularity"), backend=backend,
+           heads=heads, split_pages=draw(st.integers(1, 4)) if backend == "split" else None,
+           table_form=draw(st.sampled_from(["csr", "block"]), label="table_form"))
+
+
+# -- the cache -------------------------------------------------------------------------------------
+def _cache(**kwargs):
+    return PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16,
+                        dtype=FP8, layout="NHD", device=DEVICE, **kwargs)
+
+
+def test_per_token_scales_never_rescale_earlier_tokens():
+    """Tokens appended one at a time, each with its own magnitude (up to 1e4): each is stored
+    with its own scale, within e4m3's rounding, and never saturated."""
+    cache = _cache(kv_scale="token")
+    cache.add_sequence(0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randn(2, 1, 2, 16, generator=gen) * 10.0 ** e for e in (-3, 0, 2, 4, 1)]
+    for t in tokens:
+        cache.append(0, t, -t)
+    pages = cache.allocator.sequence(0).pages
+    for layer in range(2):
+        pool, scales = cache.pools[layer], cache.kv_scales[layer]
+        for i, t in enumerate(tokens):
+            page, slot = pages[i // 4], i % 4
+            k = pool[page, 0, slot].float().cpu() * scales[page, 0, :, slot, None].cpu()
+            v = pool[page, 1, slot].float().cpu() * scales[page, 1, :, slot, None].cpu()
+            assert torch.isfinite(k).all() and relative_error(k, t[layer, 0]) < 0.07
+            assert relative_error(v, -t[layer, 0]) < 0.07
+
+
+def test_per_tensor_quantization_saturates():
+    """A value past 448 x scale is stored as 448 (x scale), never inf or NaN."""
+    cache = _cache(k_scale=0.5, v_scale=2.0)
+    cache.add_sequence(0)
+    k = torch.full((2, 1, 2, 16), 1e6)
+    cache.append(0, k, -k)
+    page = cache.allocator.sequence(0).pages[0]
+    stored = cache.pools[0][page, :, 0].float()
+    assert torch.equal(stored[0], torch.full_like(stored[0], FP8_MAX))
+    assert torch.equal(stored[1], torch.full_like(stored[1], -FP8_MAX))
+    assert cache.scales(0) == dict(k_scale=0.5, v_scale=2.0)
+
+
+def test_fp8_cache_end_to_end():
+    """PagedKVCache(fp8) appends, its page table plans, run() takes cache.scales(layer)."""
+    for granularity in ("tensor", "token"):
+        cache = PagedKVCache(num_layers=2, num_pages=40, page_size=16, num_kv_heads=2,
+                             head_dim=64, dtype=FP8, layout="HND", device=DEVICE,
+                             kv_scale=granularity, k_scale=0.01, v_scale=0.01)
+        gen = torch.Generator().manual_seed(1)
+        for seq, n in enumerate([130, 40]):
+            cache.add_sequence(seq)
+            cache.append(seq, torch.randn(2, n, 2, 64, generator=gen, dtype=torch.float16),
+                         torch.randn(2, n, 2, 64, generator=gen, dtype=torch.float16))
+        table = cache.page_table()
+        wrapper = DecodeWrapper("HND")
+        wrapper.plan(**csr_kwargs(table), **HEADS)
+        q = torch.randn(2, 8, 64, generator=gen, dtype=torch.float16).to(DEVICE)
+        for layer in range(2):
+            out = wrapper.run(q, cache.pools[layer], **cache.scales(layer))
+            ref, _ = reference_decode(q, cache.pools[layer], layout="HND", **cache.scales(layer),
+                                      **csr_kwargs(table))
+            assert relative_error(out, ref) <= 2e-3, granularity
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(kv_scale="row"), ValueError, r"kv_scale must be one of \('tensor', 'token'\), got 'row'"),
+    (dict(k_scale=0.0), ValueError, r"k_scale must be positive and finite, got 0.0"),
+    (dict(v_scale=float("nan")), ValueError, r"v_scale must be positive and finite, got nan"),
+    (dict(k_scale="1"), TypeError, r"k_scale must be a float, got '1'"),
+])
+def test_bad_cache_scales(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _cache(**kwargs)
+
+
+def test_scales_on_a_half_cache_and_fp8_values_to_append():
+    with pytest.raises(ValueError, match=r"kv_scale, k_scale and v_scale apply to an fp8 cache"):
+        PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=16,
+                     kv_scale="token")
+    cache = _cache()
+    cache.add_sequence(0)
+    with pytest.raises(TypeError, match=r"k.dtype must be float16, bfloat16 or float32"):
+        cache.append(0, torch.zeros(2, 1, 2, 16, dtype=FP8), torch.zeros(2, 1, 2, 16))
+    assert cache.seq_len(0) == 0                     # nothing counted
+
+
+def _planned():
+    case = make_case(seq_lens=[20, 30], **HEADS, layout="HND")
+    wrapper = DecodeWrapper("HND")
+    wrapper.plan(**csr_kwargs(case.table), **HEADS)
+    pool8, scales = fp8_pool(case.kv_cache, "HND", "token")
+    return case, wrapper, pool8, scales
+
+
+@pytest.mark.parametrize("scales, error, match", [
+    (dict(), ValueError, r"an fp8 kv_cache needs its scales: k_scale= and v_scale= \(per tensor\) "
+                         r"or kv_scales= \(per token\)"),
+    (dict(k_scale=1.0), TypeError, r"v_scale must be a float, got None"),
+    (dict(k_scale=-1.0, v_scale=1.0), ValueError, r"k_scale must be positive and finite, got -1.0"),
+    (dict(k_scale=1.0, v_scale=math.inf), ValueError, r"v_scale must be positive and finite, got inf"),
+    ("both", ValueError, r"give k_scale/v_scale \(per tensor\) or kv_scales \(per token\), not both"),
+    ("shape", ValueError, r"kv_scales must be a contiguous \[num_pages, 2, num_kv_heads, "
+                          r"page_size\] = \[\d+, 2, 2, 16\] tensor, got shape"),
+    ("dtype", TypeError, r"kv_scales must have dtype torch.float32, got torch.float16"),
+])
+def test_bad_run_scales(scales, error, match):
+    case, wrapper, pool8, good = _planned()
+    if scales == "both":
+        scales = dict(good, k_scale=1.0, v_scale=1.0)
+    elif scales == "shape":
+        scales = dict(kv_scales=good["kv_scales"][:, :, :1].contiguous())
+    elif scales == "dtype":
+        scales = dict(kv_scales=good["kv_scales"].half())
+    out = torch.full_like(case.q, float("nan"))
+    with pytest.raises(error, match=match):
+        wrapper.run(case.q, pool8, out=out, **scales)
+    assert torch.isnan(out).all()                   # nothing written
+
+
+def test_scales_on_a_half_cache_at_run():
+    case, wrapper, _, _ = _planned()
+    with pytest.raises(ValueError, match=r"k_scale, v_scale and kv_scales dequantize an fp8 "
+                                         r"kv_cache; this one is torch.float16"):
+        wrapper.run(case.q, case.kv_cache, k_scale=1.0, v_scale=1.0)
