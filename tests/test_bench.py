@@ -263,6 +263,27 @@ def test_static_batch_with_attention_variants():
         RunOptions(logits_soft_cap=float("inf"))
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_static_batch_on_an_fp8_cache(granularity):
+    """run_static on an e4m3 cache: ours are checked against the reference on the values it
+    stands for; the step's bytes count one byte per element (and the per-token scales); dense
+    baselines are reported unsupported."""
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                       kv_fp8=granularity)
+    backends, _ = make_backends(["pkv-split", "pkv-auto", "padded-sdpa"], layout="HND",
+                                device=device)
+    measured = run_static("fp8", [170, 20, 33], backends, shape=shape, opts=OPTS, device=device)
+    status = {s["backend"]: s["status"] for s in measured.steps}
+    assert status == {"pkv-split": "ok", "pkv-auto": "ok", "padded-sdpa": "unsupported"}
+    assert all(s["error"] < 2e-3 for s in measured.steps if s["status"] == "ok")
+    per_token = 2 * 2 * (64 + (4 if granularity == "token" else 0))
+    assert shape.bytes_per_token() == per_token
+    assert {s["kv_bytes"] for s in measured.steps} == {223 * per_token}
+    with pytest.raises(ValueError, match=r"kv_fp8 must be None or one of \('tensor', 'token'\)"):
+        ModelShape(kv_fp8="row")
+
+
 def test_xqa_causal_draft_mask_bits():
     """XQA's speculative-decoding mask: query j's 32-bit words have bits 0..j set."""
     from persistentkv.bench.backends import _causal_draft_mask

@@ -45,7 +45,8 @@ def model_shapes(args: argparse.Namespace) -> list:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     return [(preset, ModelShape.of(preset, num_qo_heads=args.num_qo_heads,
                                    num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                                   page_size=args.page_size, dtype=dtype, layout=args.layout))
+                                   page_size=args.page_size, dtype=dtype, layout=args.layout,
+                                   kv_fp8=args.kv_fp8))
             for preset in presets]
 
 
@@ -89,6 +90,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
     parser.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    parser.add_argument("--kv-fp8", choices=["tensor", "token"],
+                        help="an e4m3 KV cache, scales per tensor or per (token, KV head); q and "
+                             "the output stay in --dtype")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -50,6 +50,21 @@ class StepInputs:
     window_left: int = -1                    # attention variants (DecodeWrapper.plan's names)
     logits_soft_cap: float = 0.0
     sinks: list[torch.Tensor] | None = None  # per layer float32 [Hq]
+    scales: list[dict] = field(default_factory=list)   # per layer: an fp8 cache's run() scales
+
+    @property
+    def kv_fp8(self) -> str | None:
+        """None, or the fp8 cache's scale granularity: "tensor" or "token"."""
+        if not self.scales or not self.scales[0]:
+            return None
+        return "token" if "kv_scales" in self.scales[0] else "tensor"
+
+    def per_tensor_scales(self, backend: str) -> tuple[float, float]:
+        """(k_scale, v_scale): (1, 1) for fp16/bf16; Unsupported for per-token scales."""
+        if self.kv_fp8 == "token":
+            raise Unsupported(f"{backend} takes per-tensor fp8 scales only")
+        s = self.scales[0] if self.scales else {}
+        return s.get("k_scale", 1.0), s.get("v_scale", 1.0)
 
     def one_query_per_row(self, backend: str) -> None:
         """Unsupported for a backend that takes one query token per row, on a multi-token step."""
@@ -148,7 +163,8 @@ class PersistentKV(Backend):
     def run(self, layer: int) -> torch.Tensor:
         s = self.step
         return self.wrapper.run(s.queries[layer], s.pools[layer], out=self.outs[layer],
-                                sinks=None if s.sinks is None else s.sinks[layer])
+                                sinks=None if s.sinks is None else s.sinks[layer],
+                                **s.scales[layer])
 
     def last_choice(self) -> str:
         """pkv-auto: the planner's choice for the last step, e.g. 'split@16' (a device read)."""
@@ -183,14 +199,17 @@ class FlashInferWrapper(Backend):
         if not self.use_tensor_cores and group not in (1, 2, 3, 4, 6, 8):
             raise Unsupported(f"FlashInfer's CUDA-core decode does not serve group size {group}")
         self.step = step
+        self.k_scale, self.v_scale = step.per_tensor_scales(self.name)
         dtype = step.queries[0].dtype
         self.wrapper.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, step.num_qo_heads,
                           step.num_kv_heads, step.head_dim, step.page_size, q_data_type=dtype,
-                          kv_data_type=dtype, **_fi_variants(step))
+                          kv_data_type=step.pools[0].dtype, **_fi_variants(step))
         self.outs = [torch.empty_like(q) for q in step.queries]
 
     def run(self, layer: int) -> torch.Tensor:
-        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+        fp8 = {} if self.step.kv_fp8 is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        return self.wrapper.run(self.step.queries[layer], self.step.pools[layer],
+                                out=self.outs[layer], **fp8)
 
 
 def _fi_variants(step: StepInputs) -> dict:
@@ -223,6 +242,7 @@ class FlashInferXQA(Backend):
             self.q_len = counts.pop()
             self.mask = _causal_draft_mask(step.batch_size, self.q_len, step.kv_indptr.device)
         self.step = step
+        self.k_scale, self.v_scale = step.per_tensor_scales(self.name)
         self.max_seq_len = max(step.seq_lens_host, default=0)
         self.outs = [torch.empty_like(q) for q in step.queries]
 
@@ -232,7 +252,8 @@ class FlashInferXQA(Backend):
         if s.sinks is not None:
             extra["sinks"] = s.sinks[layer]
         return self.fn(s.queries[layer], s.pools[layer], self.workspace, s.block_table, s.seq_lens,
-                       self.max_seq_len, bmm1_scale=s.sm_scale, bmm2_scale=1.0,
+                       self.max_seq_len, bmm1_scale=s.sm_scale * self.k_scale,
+                       bmm2_scale=self.v_scale,
                        window_left=s.window_left, out=self.outs[layer], kv_layout=self.layout,
                        **extra)
 
@@ -263,6 +284,8 @@ class FlashInferPrefill(Backend):
 
     def plan(self, step: StepInputs) -> None:
         step.refuse_variants(self.name, window=False, soft_cap=False)
+        if step.kv_fp8 is not None:
+            raise Unsupported(f"{self.name}: measured on fp16/bf16 caches only")
         self.step = step
         dtype = step.queries[0].dtype
         rows = step.batch_size
@@ -276,6 +299,11 @@ class FlashInferPrefill(Backend):
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])
+
+
+def _half_cache_only(step: StepInputs, backend: str) -> None:
+    if step.kv_fp8 is not None:
+        raise Unsupported(f"{backend} reads fp16/bf16 caches only")
 
 
 def _token_index(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,6 +332,7 @@ class PaddedSDPA(Backend):
     def plan(self, step: StepInputs) -> None:
         step.one_query_per_row(self.name)
         step.refuse_variants(self.name)
+        _half_cache_only(step, self.name)
         self.step = step
         index, valid = _token_index(step)
         self.index = index.reshape(-1)
@@ -330,6 +359,7 @@ class PerSequence(Backend):
     def plan(self, step: StepInputs) -> None:
         step.one_query_per_row(self.name)
         step.refuse_variants(self.name)
+        _half_cache_only(step, self.name)
         self.step = step
         index, _ = _token_index(step)
         self.rows = [index[r, :n] for r, n in enumerate(step.seq_lens_host)]

@@ -15,11 +15,14 @@ import torch
 
 from ..cache import PagedKVCache
 from ..checks import check_attention_shape
+from ..quant import FP8, FP8_MAX, SCALE_GRANULARITIES
 from ..queries import MAX_QUERIES_PER_ROW
 from .backends import Backend, StepInputs
 from .measure import StepTiming, measure_step, reference_output, time_graphs
 from .traces import Trace, peak_tokens, replay
 
+
+FP8_SCALE = 4.0 / FP8_MAX   # the benchmark's per-tensor fp8 scale: unit-variance K/V to 4 sigma
 
 # Hq / Hkv / head_dim of deployed GQA models (a tensor-parallel shard where named)
 MODEL_PRESETS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128),
@@ -36,10 +39,14 @@ class ModelShape:
     page_size: int = 16
     dtype: torch.dtype = torch.float16
     layout: str = "HND"
+    kv_fp8: str | None = None        # an e4m3 cache with scales per "tensor" or per "token"
 
     def __post_init__(self):
         check_attention_shape(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                               head_dim=self.head_dim, page_size=self.page_size)
+        if self.kv_fp8 not in (None, *SCALE_GRANULARITIES):
+            raise ValueError(f"kv_fp8 must be None or one of {SCALE_GRANULARITIES}, got "
+                             f"{self.kv_fp8!r}")
 
     @classmethod
     def of(cls, preset: str | None = None, **fields) -> "ModelShape":
@@ -53,7 +60,10 @@ class ModelShape:
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
     def bytes_per_token(self) -> int:
-        return self.num_kv_heads * self.head_dim * 2 * torch.tensor([], dtype=self.dtype).element_size()
+        """K and V bytes of one token (an fp8 cache's per-token scales included)."""
+        if self.kv_fp8 is None:
+            return self.num_kv_heads * self.head_dim * 2 * torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_kv_heads * 2 * (self.head_dim + (4 if self.kv_fp8 == "token" else 0))
 
 
 @dataclass
@@ -121,8 +131,7 @@ class Measured:
 
 def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, RunOptions]:
     """The tiny shape and options of a run through the CPU interpreter (timings mean nothing)."""
-    return (ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=shape.dtype,
-                       layout=shape.layout),
+    return (dataclasses.replace(shape, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16),
             dataclasses.replace(opts, layers=2, samples=2, eager_reps=1, graph_reps=0,
                                 check_every=1))
 
@@ -140,9 +149,15 @@ def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions) -> int:
 def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.device,
                seed: int) -> PagedKVCache:
     torch.manual_seed(seed)
+    if shape.kv_fp8 is None:
+        kv = dict(dtype=shape.dtype)
+    elif shape.kv_fp8 == "tensor":      # unit-variance values: a scale of 4 sigma / 448
+        kv = dict(dtype=FP8, kv_scale="tensor", k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+    else:
+        kv = dict(dtype=FP8, kv_scale="token")
     return PagedKVCache(num_layers=layers, num_pages=num_pages, page_size=shape.page_size,
-                        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
-                        layout=shape.layout, device=device, shuffle_seed=seed, init="randn")
+                        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                        layout=shape.layout, device=device, shuffle_seed=seed, init="randn", **kv)
 
 
 def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
@@ -168,7 +183,8 @@ def step_inputs(cache: PagedKVCache, seq_ids: list, shape: ModelShape,
                       pools=cache.pools, layout=shape.layout, num_qo_heads=shape.num_qo_heads,
                       num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                       page_size=shape.page_size, qo_indptr=qo_indptr, window_left=window_left,
-                      logits_soft_cap=logits_soft_cap, sinks=sink_logits)
+                      logits_soft_cap=logits_soft_cap, sinks=sink_logits,
+                      scales=[cache.scales(layer) for layer in range(cache.num_layers)])
 
 
 def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts: RunOptions,
