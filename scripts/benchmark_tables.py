@@ -14,6 +14,9 @@ pkv-auto at one query, the issue's bars counted; --json writes the same as a sum
 Variants: per grid cell and run (--variants, the grids that `persistentkv bench --grid
 --window-left N --soft-cap C --sinks` wrote, with a plain run of each shape), pkv-auto against
 FlashInfer's best with the same features and against the plain step; the issue's bars counted.
+fp8: per grid cell (--fp8 FP16_GRID FP8_GRID..., grids of `persistentkv bench --grid --kv-fp8
+tensor|token`), each of our fp8 backends against pkv-auto on the fp16 cache and against
+FlashInfer's best fp8 entry; the issue's bars counted on the cells of >= 128 MB of fp16 KV.
 Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/evaluate.json
          [--previous results/h200/v3/grid.json]
      python scripts/benchmark_tables.py --shapes results/h200/shapes/*.json
@@ -21,6 +24,8 @@ Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/eval
          [--json results/h200/multi-token.json]
      python scripts/benchmark_tables.py --variants results/h200/variants/*.json
          [--json results/h200/variants.json]
+     python scripts/benchmark_tables.py --fp8 results/h200/variants/plain.json
+         results/h200/fp8/fp8-{tensor,token}.json [--json results/h200/fp8.json]
 """
 import argparse
 import json
@@ -261,6 +266,87 @@ def variants_table(summary) -> str:
     return "\n".join(out)
 
 
+# issue bars for an fp8 cache: on cells of >= 128 MB of fp16 KV, fp8 per tensor >= 1.8x our fp16
+# step, per token >= 1.7x; and >= 1.0x FlashInfer's fp8 decode on every cell
+FP8_BAR_BYTES = 128e6
+FP8_SPEEDUP_BARS = {"tensor": 1.8, "token": 1.7}
+
+
+def _kv_fp8(env) -> str:
+    """The run's scale granularity: its shape's kv_fp8 (the command's --kv-fp8 in earlier files)."""
+    if env["shape"].get("kv_fp8"):
+        return env["shape"]["kv_fp8"]
+    words = env["command"].split()
+    if "--kv-fp8" not in words:
+        raise SystemExit(f"not an fp8 run: {env['command']}")
+    return words[words.index("--kv-fp8") + 1]
+
+
+def fp8_summary(fp16_path, fp8_paths) -> dict:
+    """Per fp8 run (granularity from its environment) and cell: each of our backends' us per layer,
+    its speedup over pkv-auto on the fp16 cache, and FlashInfer's best fp8 entry; the bars."""
+    _, fp16, _ = _rows(fp16_path)
+    fp16_data = json.load(open(fp16_path))
+    fp16_bytes = {s["case"]: s["kv_bytes"] for s in fp16_data["steps"]}
+    runs, bars = [], {}
+    for path in fp8_paths:
+        data, by, cases = _rows(path)
+        granularity = _kv_fp8(data["environment"])
+        ours = list(dict.fromkeys(b for (_, b) in by if b.startswith("pkv-")))
+        cells = []
+        for case in cases:
+            half = fp16.get((case, "pkv-auto"))
+            fi = by.get((case, "fi-best"))
+            cell = {"case": case, "fp16_kv_mb": fp16_bytes.get(case, float("nan")) / 1e6,
+                    "fp16_pkv_us": half["graph_us_per_layer"] if half else None}
+            if fi and fi["status"] == "ok":
+                cell.update(fi_best_us=fi["graph_us_per_layer"], fi_best=fi["note"])
+            for b in ours:
+                r = by.get((case, b))
+                if not r or r["status"] != "ok":
+                    continue
+                cell[b] = {"us": r["graph_us_per_layer"], "tbps": r["tbps"]}
+                if half:
+                    cell[b]["vs_fp16"] = half["graph_us_per_layer"] / r["graph_us_per_layer"]
+                if "fi_best_us" in cell:
+                    cell[b]["vs_fi"] = cell["fi_best_us"] / r["graph_us_per_layer"]
+            cells.append(cell)
+        for b in ours:
+            big = [c for c in cells if b in c and "vs_fp16" in c[b] and c["fp16_kv_mb"] * 1e6 >= FP8_BAR_BYTES]
+            bar = FP8_SPEEDUP_BARS[granularity]
+            bars[f"{granularity} {b}: >= {bar}x fp16 on >= 128 MB cells"] = (
+                f"{sum(c[b]['vs_fp16'] >= bar for c in big)} of {len(big)}")
+            with_fi = [c for c in cells if b in c and "vs_fi" in c[b]]
+            if with_fi:
+                bars[f"{granularity} {b}: >= 1.0x FI fp8"] = (
+                    f"{sum(c[b]['vs_fi'] >= 0.995 for c in with_fi)} of {len(with_fi)}")
+        runs.append({"file": path, "granularity": granularity, "backends": ours,
+                     "environment": data["environment"], "cells": cells})
+    return {"fp16_file": fp16_path, "bars": bars, "runs": runs}
+
+
+def fp8_table(summary) -> str:
+    """Per run: case x backend, us per layer (x fp16; x FI fp8)."""
+    out = []
+    for run in summary["runs"]:
+        bs = run["backends"]
+        out += [f"fp8 per {run['granularity']}:", "",
+                "| case | fp16 KV MB | fp16 pkv-auto us | " + " | ".join(f"{b} us (x fp16; x FI)" for b in bs)
+                + " | FI fp8 best us |", "|---|---|---|" + "---|" * len(bs) + "---|"]
+        for c in run["cells"]:
+            items = []
+            for b in bs:
+                r = c.get(b)
+                items.append("-" if r is None else f"{r['us']:.1f} ({r.get('vs_fp16', float('nan')):.2f}x"
+                             + (f"; {r['vs_fi']:.2f}x)" if "vs_fi" in r else ")"))
+            fi = f"{c['fi_best_us']:.1f}" if "fi_best_us" in c else "-"
+            half = f"{c['fp16_pkv_us']:.1f}" if c["fp16_pkv_us"] else "-"
+            out.append(f"| {c['case']} | {c['fp16_kv_mb']:.0f} | {half} | " + " | ".join(items) + f" | {fi} |")
+        out.append("")
+    out += [f"- {name}: {value}" for name, value in summary["bars"].items()]
+    return "\n".join(out)
+
+
 def _write_json(path, summary) -> None:
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
@@ -276,7 +362,9 @@ def main():
     parser.add_argument("--queries", nargs="+", help="grid JSON files of `bench --grid --q-len N`")
     parser.add_argument("--variants", nargs="+", help="grid JSON files of `bench --grid` with "
                         "--window-left / --soft-cap / --sinks, and a plain run of each shape")
-    parser.add_argument("--json", help="with --queries or --variants: write the summary here")
+    parser.add_argument("--fp8", nargs="+", metavar="GRID", help="the fp16 grid, then grid JSON "
+                        "files of `bench --grid --kv-fp8 tensor|token`")
+    parser.add_argument("--json", help="with --queries, --variants or --fp8: write the summary here")
     args = parser.parse_args()
     if args.queries:
         summary = queries_summary(args.queries)
@@ -286,6 +374,13 @@ def main():
     if args.variants:
         summary = variants_summary(args.variants)
         print(variants_table(summary))
+        if args.json:
+            _write_json(args.json, summary)
+    if args.fp8:
+        if len(args.fp8) < 2:
+            raise SystemExit("--fp8 takes the fp16 grid and at least one fp8 grid")
+        summary = fp8_summary(args.fp8[0], args.fp8[1:])
+        print(fp8_table(summary))
         if args.json:
             _write_json(args.json, summary)
     if args.shapes:

@@ -14,6 +14,7 @@ from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case
 from persistentkv import (BACKENDS, TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode,
                           relative_error)
 from persistentkv.quant import FP8, FP8_MAX, quantize, row_scales
+from persistentkv.tuning import KernelConfig, default_config
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
@@ -67,6 +68,20 @@ def test_fp8_every_schedule(granularity, backend):
     _, vs_fp16 = _check(case, granularity, backend=backend,
                         split_pages=2 if backend == "split" else None)
     assert vs_fp16 < 0.1     # e4m3 keeps 3 mantissa bits: a few 1e-2 against the fp16 original
+
+
+@pytest.mark.parametrize("config", [None, KernelConfig(block_n=32, fp8_block_n=16, num_stages=2)])
+def test_fp8_tiles(config):
+    """An fp8 cache reads config.fp8_block_n tokens per tile (the default at head dim 128: 128, the
+    fp16 tile's bytes); a tile smaller than a page and one that spans pages both match."""
+    assert default_config(head_dim=128, num_kv_heads=2).tile_tokens(kv_fp8=True) == 128
+    assert default_config(head_dim=128, num_kv_heads=2).tile_tokens(kv_fp8=False) == 64
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+    case = make_case(seq_lens=[300, 37, 129], **heads, layout="NHD", seed=3)
+    for granularity in ("tensor", "token"):
+        _check(case, granularity, backend="split", split_pages=3, heads=dict(heads, config=config))
+    with pytest.raises(ValueError, match="KernelConfig.fp8_block_n must be a power of two >= 16, got 24"):
+        KernelConfig(fp8_block_n=24)
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
@@ -146,6 +161,28 @@ def test_per_token_scales_never_rescale_earlier_tokens():
             v = pool[page, 1, slot].float().cpu() * scales[page, 1, :, slot, None].cpu()
             assert torch.isfinite(k).all() and relative_error(k, t[layer, 0]) < 0.07
             assert relative_error(v, -t[layer, 0]) < 0.07
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_random_fp8_pool_is_filled_in_chunks(monkeypatch, layout):
+    """init="randn" quantizes a few pages at a time (an fp32 copy of a whole pool would not fit
+    beside a large one): with chunks of 3 pages, every token row still has its own scale (its
+    largest stored magnitude is 448) and per tensor no value is left unwritten (NaN)."""
+    import persistentkv.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "QUANTIZE_CHUNK_ELEMENTS", 3 * 2 * 2 * 4 * 16)
+    per_token = PagedKVCache(num_layers=2, num_pages=10, page_size=4, num_kv_heads=2, head_dim=16,
+                             dtype=FP8, kv_scale="token", layout=layout, init="randn", device=DEVICE)
+    per_tensor = PagedKVCache(num_layers=1, num_pages=10, page_size=4, num_kv_heads=2, head_dim=16,
+                              dtype=FP8, k_scale=0.01, v_scale=0.02, layout=layout, init="randn",
+                              device=DEVICE)
+    for layer in range(2):
+        pool = per_token.pools[layer].float()
+        rows = pool if layout == "HND" else pool.transpose(2, 3)          # [P, 2, H, S, D]
+        assert torch.equal(rows.abs().amax(dim=-1), torch.full_like(rows[..., 0], FP8_MAX))
+        assert (per_token.kv_scales[layer] > 0.0).all()
+        assert not torch.equal(per_token.kv_scales[layer][:3], per_token.kv_scales[layer][3:6])
+    assert torch.isfinite(per_tensor.pools[0].float()).all()
 
 
 def test_per_tensor_quantization_saturates():

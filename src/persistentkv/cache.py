@@ -7,6 +7,7 @@ An fp8 cache (dtype=torch.float8_e4m3fn) quantizes on append, with scales per te
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
@@ -18,6 +19,7 @@ from .page_table import PageTable
 from .quant import FP8, SCALE_GRANULARITIES, check_scale, quantize, row_scales
 
 LAYOUTS = ("NHD", "HND")
+QUANTIZE_CHUNK_ELEMENTS = 1 << 26   # fp32 elements quantized at once when an fp8 pool is filled
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
 
 __all__ = ["PagedKVCache", "OutOfPagesError", "LAYOUTS", "CACHE_DTYPES", "check_layout"]
@@ -75,10 +77,16 @@ class PagedKVCache:
         if not self.fp8:
             self.pools = [make(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         else:                       # fp8: random values quantized as append() would
-            self.pools = []
-            for layer in range(num_layers):
-                x = make(shape, dtype=torch.float32, device=self.device)
-                self.pools.append(self._quantized(x, layer) if init == "randn" else x.to(FP8))
+            self.pools = [torch.empty(shape, dtype=FP8, device=self.device)
+                          for _ in range(num_layers)]
+            # a few pages at a time: a whole pool in fp32 would be four times its own size
+            step = max(1, QUANTIZE_CHUNK_ELEMENTS // math.prod(shape[1:]))
+            for layer, pool in enumerate(self.pools):
+                for first in range(0, self.num_pages, step):
+                    x = make((min(step, self.num_pages - first), *shape[1:]),
+                             dtype=torch.float32, device=self.device)
+                    pool[first: first + x.shape[0]] = (self._quantized(x, layer, first)
+                                                       if init == "randn" else x.to(FP8))
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: object) -> None:
@@ -181,14 +189,15 @@ class PagedKVCache:
                 else:
                     pool[p, kv, :, s] = rows
 
-    def _quantized(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """A whole pool x (fp32, [P, 2, ...] in the layout) in fp8, its scales set (per token)."""
+    def _quantized(self, x: torch.Tensor, layer: int, first: int) -> torch.Tensor:
+        """Pages first.. of a pool, x (fp32, [n, 2, ...] in the layout), in fp8; their scales set
+        (per token)."""
         if self.kv_scales is None:
             return torch.stack([quantize(x[:, 0], self.k_scale),
                                 quantize(x[:, 1], self.v_scale)], dim=1)
-        rows = x if self.layout == "HND" else x.transpose(2, 3)          # [P, 2, H, S, D]
-        scale = row_scales(rows)                                         # [P, 2, H, S]
-        self.kv_scales[layer].copy_(scale)
+        rows = x if self.layout == "HND" else x.transpose(2, 3)          # [n, 2, H, S, D]
+        scale = row_scales(rows)                                         # [n, 2, H, S]
+        self.kv_scales[layer][first: first + x.shape[0]].copy_(scale)
         q = quantize(rows, scale[..., None])
         return q if self.layout == "HND" else q.transpose(2, 3).contiguous()
 

@@ -234,7 +234,7 @@ class DecodeLauncher:
                  plan.logits_soft_cap or 1.0)
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
-            head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.block_n,
+            head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.tile_tokens(kv_fp8=fp8),
             return_lse=return_lse, upcast=interpreting(),
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,

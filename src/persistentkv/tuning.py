@@ -12,7 +12,8 @@ from dataclasses import dataclass
 class KernelConfig:
     """Tile and launch shape of the decode kernel.
 
-    block_n: tokens per K/V tile; num_warps, num_stages: Triton's launch options (num_stages is the
+    block_n: tokens per K/V tile; fp8_block_n: tokens per tile of an fp8 cache (None: block_n);
+    num_warps, num_stages: Triton's launch options (num_stages is the
     software-pipelining depth of the token loop); waves: target (row, KV head, split) tasks per SM
     when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
     programs_per_sm: persistent programs per SM of the decode kernel; one_round: the balanced split
@@ -25,6 +26,7 @@ class KernelConfig:
     """
 
     block_n: int = 64
+    fp8_block_n: int | None = None
     num_warps: int = 4
     num_stages: int = 3
     waves: float = 2.0
@@ -32,13 +34,21 @@ class KernelConfig:
     programs_per_sm: int = 2
     one_round: bool = True
 
+    def tile_tokens(self, *, kv_fp8: bool) -> int:
+        """Tokens per K/V tile for a cache of this kind."""
+        return self.fp8_block_n or self.block_n if kv_fp8 else self.block_n
+
     def __post_init__(self):
         for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        if self.block_n & (self.block_n - 1) or self.block_n < 16:
-            raise ValueError(f"KernelConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        for name in ("block_n", "fp8_block_n"):
+            value = getattr(self, name)
+            if value is None and name == "fp8_block_n":
+                continue
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 
@@ -51,11 +61,14 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     64/8: geomean 1.024 -> 1.044x FlashInfer), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10%
     on its small, latency-bound cells, 1.093 -> 1.065x). Head dim 512 at block_n 16: compiled for
     sm_90a, block_n 32 spills (255 registers, 32 B of stack) and needs 145 KB of shared memory at three
-    stages; 16 keeps 222 registers, no spill, 81 KB (scripts/compile_check.py; not yet timed)."""
+    stages; 16 keeps 222 registers, no spill, 81 KB (scripts/compile_check.py; timed in v10:
+    0.93-0.98x FlashInfer where bandwidth-bound). An fp8 cache at head dim 128 reads tiles of 128
+    tokens, the fp16 tile's bytes (v11: 1.12x geomean over the fp16 tile per tensor, 1.38x per
+    token; per tensor 1-13% slower on the cells of under 40 MB of fp16 KV)."""
     if head_dim > 256:
         return KernelConfig(block_n=16)
     if head_dim > 128:
         return KernelConfig(block_n=32)
     if head_dim <= 64 and num_kv_heads >= 4:
         return KernelConfig(block_n=128)
-    return KernelConfig()
+    return KernelConfig(fp8_block_n=128 if head_dim == 128 else None)

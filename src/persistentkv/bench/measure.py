@@ -75,11 +75,15 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
         return result
     if reference is not None:
         result.error = relative_error(out, reference)
-        if not result.error <= TOLERANCE[out.dtype]:
+        loose = step.kv_fp8 is not None and backend.fp8_error_bound is not None
+        bound = backend.fp8_error_bound if loose else TOLERANCE[out.dtype]
+        if not result.error <= bound:
             result.status = "failed"
-            result.note = f"relative error {result.error:.2e} over {TOLERANCE[out.dtype]}"
+            result.note = f"relative error {result.error:.2e} over {bound}"
             return result
     result.note = backend.last_choice()   # pkv-auto's pick: a device read, before the timing
+    if reference is not None and loose:
+        result.note = f"e4m3 products: relative error {result.error:.1e}"
 
     walls, plans, runs = [], [], []
     for _ in range(eager_reps):

@@ -85,7 +85,8 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
     env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
                     "head_dim": shape.head_dim, "page_size": shape.page_size,
-                    "dtype": str(shape.dtype).replace("torch.", ""), "layout": shape.layout}
+                    "dtype": str(shape.dtype).replace("torch.", ""), "layout": shape.layout,
+                    "kv_fp8": shape.kv_fp8}
     env["options"] = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
     env.update(bandwidth_ceiling(device))
     env["bare_launch_us"] = bare_launch_us(device)
