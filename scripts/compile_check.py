@@ -28,8 +28,8 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
                    variants: tuple[str, ...] = ()):
     cfg = config or default_config(head_dim=head_dim, num_kv_heads=8)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
-                                   block_n=cfg.tile_tokens(kv_fp8="kv_fp8" in variants), return_lse=False, upcast=False,
-                                   max_queries=max_queries,
+                                   block_n=cfg.tile_tokens(kv_fp8="kv_fp8" in variants),
+                                   return_lse=False, upcast=False, max_queries=max_queries,
                                    **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}

@@ -167,7 +167,7 @@ class PersistentKV(Backend):
         s = self.step
         return self.wrapper.run(s.queries[layer], s.pools[layer], out=self.outs[layer],
                                 sinks=None if s.sinks is None else s.sinks[layer],
-                                **s.scales[layer])
+                                **(s.scales[layer] if s.scales else {}))
 
     def last_choice(self) -> str:
         """pkv-auto: the planner's choice for the last step, e.g. 'split@16' (a device read)."""

@@ -34,7 +34,7 @@ class StepTiming:
 
 def kv_bytes_per_layer(step: StepInputs) -> int:
     elem = step.pools[0].element_size()
-    scales = 4 if "kv_scales" in step.scales[0] else 0      # an fp8 cache's per-token scales
+    scales = 4 if step.kv_fp8 == "token" else 0              # an fp8 cache's per-token scales
     return sum(step.seq_lens_host) * step.num_kv_heads * (step.head_dim * elem + scales) * 2
 
 
@@ -44,7 +44,7 @@ def reference_output(step: StepInputs) -> torch.Tensor:
                               kv_last_page_len=step.kv_last_page_len, qo_indptr=step.qo_indptr,
                               window_left=step.window_left, logits_soft_cap=step.logits_soft_cap,
                               sinks=None if step.sinks is None else step.sinks[0],
-                              **step.scales[0])
+                              **(step.scales[0] if step.scales else {}))
     return out
 
 
