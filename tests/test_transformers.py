@@ -35,7 +35,9 @@ def test_generate_batch_matches_paged_sdpa():
     model = LlamaForCausalLM(config).to(device, torch.float16).eval()
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
     prompts = [[1, 5, 9, 3, 7], list(range(2, 40)), [4, 4, 8], list(range(60, 80))]
-    no_graphs = ContinuousBatchingConfig(use_cuda_graph=False)   # our plan reads the host
+    # our plan reads the host; a cache sized for the batch (on the CPU transformers would take
+    # 90% of the host's memory, slow to set up)
+    no_graphs = ContinuousBatchingConfig(use_cuda_graph=False, num_blocks=8, max_batch_tokens=256)
     calls = []
 
     def counted(*args, **kwargs):
@@ -70,3 +72,52 @@ def test_e2e_agreement_and_prompts():
     prompts = prompts_for(50, 100, vocab=64, seed=1)
     assert len(prompts) == 50 and all(25 <= len(p) < 175 for p in prompts)
     assert all(1 <= t < 64 for p in prompts for t in p)
+
+
+def test_e2e_prefix_and_first_token_metrics():
+    from persistentkv.bench.e2e import first_token_agreement, matching_prefix
+
+    a = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    b = [[1, 2, 0, 4], [0, 6, 7, 8], [9, 9]]
+    assert first_token_agreement(a, a) == 1.0 and matching_prefix(a, a) == (4 + 4 + 2) / 3
+    assert first_token_agreement(a, b) == 2 / 3
+    assert matching_prefix(a, b) == (2 + 0 + 2) / 3       # up to the first mismatch only
+
+
+def test_e2e_teacher_forced_scoring_follows_the_forced_tokens():
+    """Forced to any tokens, two implementations agree on the same contexts (paged|eager and
+    paged|persistentkv against paged|sdpa, to fp16 rounding), while the same implementation on
+    other contexts does not: the check sees a real difference through the chaos of free runs."""
+    from persistentkv.bench.e2e import build_model, teacher_forced_diff, teacher_forced_hidden
+
+    register()
+    model = build_model("tiny", device=torch.device("cpu"), dtype=torch.float16)
+    prompts = [list(range(3, 23)), [7, 1, 4, 1, 5]]             # a prefill cut into pieces, a short one
+    gen = torch.Generator().manual_seed(0)
+    forced = [torch.randint(1, 128, (4,), generator=gen).tolist() for _ in prompts]
+    other = [torch.randint(1, 128, (4,), generator=gen).tolist() for _ in prompts]
+    ref = teacher_forced_hidden(model, "paged|sdpa", prompts, forced)
+    assert all(h is not None and h.shape == (4, 128) for h in ref)
+    for impl in ("paged|eager", NAME):
+        same = teacher_forced_diff(model, teacher_forced_hidden(model, impl, prompts, forced), ref)
+        assert same["tf_scored_requests"] == 2 and same["tf_top1_agreement"] == 1.0
+        assert same["tf_logits_rel_diff"] < 5e-3, (impl, same)
+    moved = teacher_forced_diff(model, teacher_forced_hidden(model, "paged|sdpa", prompts, other), ref)
+    assert moved["tf_logits_rel_diff"] > 0.1, moved     # tokens 1-3 follow other contexts
+
+
+def test_e2e_run_on_the_cpu(tmp_path):
+    """The whole command on a tiny batch: rows for the reference, the control and ours, with the
+    warm-up's time in the first batch's rows and the teacher-forced check near zero."""
+    from persistentkv.bench.e2e import run_e2e
+
+    rows = run_e2e(model_name="tiny", requests=[2], mean_prompt=12, new_tokens=3,
+                   impls=["paged|sdpa", "paged|eager", NAME], device=torch.device("cpu"),
+                   out_dir=tmp_path, tag="t")
+    assert [r["impl"] for r in rows] == ["paged|sdpa", "paged|eager", NAME]
+    assert (tmp_path / "t.json").exists()
+    for r in rows:
+        assert r["reference"] == "paged|sdpa" and r["warmup_s"] > 0
+        assert 0 <= r["token_agreement"] <= 1 and 0 <= r["matching_prefix"] <= 3
+        assert r["tf_scored_requests"] == 2 and r["tf_logits_rel_diff"] < 5e-3
+    assert rows[0]["tf_logits_max_abs_diff"] == 0.0 and rows[0]["speedup"] == 1.0

@@ -198,9 +198,12 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     from .bench.e2e import run_e2e
 
     model = args.model or ("llama3-8b" if device == "cuda" else "tiny")
+    impls = args.impls or ("paged|sdpa,paged|persistentkv" if device == "cuda"
+                           else "paged|sdpa,paged|eager,paged|persistentkv")
     run_e2e(model_name=model, requests=_ints(args.requests), mean_prompt=args.mean_prompt,
-            new_tokens=args.new_tokens, impls=args.impls.split(","), device=torch.device(device),
-            out_dir=Path(args.out), tag=args.tag or f"e2e-{model}")
+            new_tokens=args.new_tokens, impls=impls.split(","), device=torch.device(device),
+            out_dir=Path(args.out), tag=args.tag or f"e2e-{model}",
+            teacher_forced=not args.no_teacher_forced)
     return 0
 
 
@@ -294,8 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--requests", default="8,32,128", help="concurrent requests per run")
     e2e.add_argument("--mean-prompt", type=int, default=4096, help="mean prompt tokens")
     e2e.add_argument("--new-tokens", type=int, default=64)
-    e2e.add_argument("--impls", default="paged|sdpa,paged|persistentkv",
-                     help="attention implementations; the first is the reference")
+    e2e.add_argument("--impls",
+                     help="attention implementations; the first is the reference (default: "
+                          "paged|sdpa,paged|persistentkv on a GPU; on the CPU paged|eager too, the "
+                          "control: two correct implementations' difference)")
+    e2e.add_argument("--no-teacher-forced", action="store_true",
+                     help="skip the teacher-forced scoring (one more prefill per implementation "
+                          "and batch: the reference's tokens through each)")
     e2e.add_argument("--out", default="results")
     e2e.add_argument("--tag")
     e2e.set_defaults(func=cmd_e2e)
