@@ -1,6 +1,7 @@
 """Context parallelism on the CPU: 2 and 3 gloo processes, each attending to its share of every
 row's pages through the interpreter, merge to the float64 reference of the whole rows; uneven
-shares, rows shorter than a page (ranks with nothing of them), both placements, both merges."""
+shares, short rows whole on one rank (shorter than a page, and of no tokens), both placements,
+both merges; the short rows' assignment (covered once, balanced, deterministic)."""
 import os
 import socket
 
@@ -12,10 +13,11 @@ import torch.multiprocessing as mp
 
 from paged_case import DEVICE, ON_GPU, csr_kwargs, make_case
 from persistentkv import PageTable, reference_decode, relative_error
-from persistentkv.context_parallel import ContextParallelDecode, shard_table
+from persistentkv.context_parallel import ContextParallelDecode, shard_table, short_row_ranks
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-LENS = [300, 9, 130, 33, 16]       # 19 pages, 1 page (shorter than one), 9, 3 and exactly 1
+LENS = [300, 9, 130, 0, 33, 16]    # 19 pages, 1 page (shorter than one), 9, none, 3 and exactly 1
+ROWS = [row for row, n in enumerate(LENS) if n]
 
 
 def _free_port() -> int:
@@ -24,19 +26,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, placement, method, result_path):
+def _rank(rank, world, port, placement, method, min_pages, result_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)                  # the same q and K/V on every rank
         case = make_case(seq_lens=LENS, **HEADS, layout="HND", seed=7)
-        share = shard_table(case.table, rank=rank, world_size=world, placement=placement)
+        share = shard_table(case.table, rank=rank, world_size=world, placement=placement,
+                            min_pages_per_rank=min_pages)
         cp = ContextParallelDecode("HND", method=method)
         cp.plan(**csr_kwargs(share), **HEADS, backend="split", split_pages=2)
         out, lse = cp.run(case.q, case.kv_cache, return_lse=True)
         ref, ref_lse = reference_decode(case.q, case.kv_cache, layout="HND",
                                         **csr_kwargs(case.table))
-        errors = (relative_error(out, ref), relative_error(lse, ref_lse))
+        empty = [row for row, n in enumerate(LENS) if not n]     # (0, -inf), as the reference
+        errors = (relative_error(out[ROWS], ref[ROWS]), relative_error(lse[ROWS], ref_lse[ROWS]),
+                  float((out[empty] == 0).all() and torch.isneginf(lse[empty]).all()))
         gathered = [None] * world
         dist.all_gather_object(gathered, errors)
         if rank == 0:
@@ -46,15 +51,18 @@ def _rank(rank, world, port, placement, method, result_path):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU test of the gloo path (a GPU run takes NCCL and 2 GPUs)")
-@pytest.mark.parametrize("world, placement, method", [
-    (2, "contiguous", "all_gather"), (3, "interleaved", "all_reduce"), (3, "contiguous", "all_gather"),
+@pytest.mark.parametrize("world, placement, method, min_pages", [
+    (2, "contiguous", "all_gather", 1), (3, "interleaved", "all_reduce", 1),
+    (3, "contiguous", "all_gather", 1),
+    (2, "interleaved", "all_reduce", 5),      # only the 19-page row spread; 130 and 33 whole too
 ])
-def test_ranks_merge_to_the_whole_rows(tmp_path, world, placement, method):
+def test_ranks_merge_to_the_whole_rows(tmp_path, world, placement, method, min_pages):
     path = str(tmp_path / "errors.npy")
-    mp.spawn(_rank, args=(world, _free_port(), placement, method, path), nprocs=world)
+    mp.spawn(_rank, args=(world, _free_port(), placement, method, min_pages, path), nprocs=world)
     errors = np.load(path)
-    assert errors.shape == (world, 2)
+    assert errors.shape == (world, 3)
     assert (errors[:, 0] <= 2e-3).all() and (errors[:, 1] <= 1e-4).all(), errors
+    assert (errors[:, 2] == 1).all(), errors
 
 
 def test_shards_cover_every_token_once():
@@ -72,3 +80,64 @@ def test_shards_cover_every_token_once():
         shard_table(table, rank=0, world_size=2, placement="random")
     with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2"):
         shard_table(table, rank=2, world_size=2)
+
+
+def _tokens_per_rank(shares) -> np.ndarray:
+    return np.array([int(s.seq_lens.sum()) for s in shares])
+
+
+@pytest.mark.parametrize("placement", ["contiguous", "interleaved"])
+@pytest.mark.parametrize("world, min_pages", [(1, 1), (2, 1), (3, 1), (3, 4), (5, 2), (8, 3)])
+def test_short_rows_stay_whole_on_one_rank(placement, world, min_pages):
+    """Every token once across the ranks; rows of fewer than min_pages x world pages on exactly one
+    rank (whole), the others on every rank; tokens per rank within the largest short row of each
+    other (or of the spread rows' own imbalance); the same answer on every call."""
+    gen = np.random.default_rng(world * 10 + min_pages)
+    lens = np.concatenate([[0, 1, 15, 16, 17, 500], gen.integers(0, 400, 30)])
+    at = np.cumsum([0] + [-(-int(n) // 16) for n in lens])
+    table = PageTable(row_pages=tuple(np.arange(a, b) for a, b in zip(at[:-1], at[1:])),
+                      seq_lens=lens.astype(np.int64), page_size=16)
+    opts = dict(world_size=world, placement=placement, min_pages_per_rank=min_pages)
+    owner = short_row_ranks(table, **opts)
+    assert np.array_equal(owner, short_row_ranks(table, **opts))
+    shares = [shard_table(table, rank=r, **opts) for r in range(world)]
+    counts = np.array([len(p) for p in table.row_pages])
+    short = counts < min_pages * world
+    assert np.array_equal(owner >= 0, short) and (owner < world).all()
+    for row in range(len(lens)):
+        pages = np.concatenate([s.row_pages[row] for s in shares])
+        assert sorted(pages.tolist()) == table.row_pages[row].tolist()
+        held = [r for r in range(world) if len(shares[r].row_pages[row])]
+        assert sum(int(s.seq_lens[row]) for s in shares) == lens[row]
+        if short[row] and lens[row]:
+            assert held == [owner[row]] and shares[owner[row]].seq_lens[row] == lens[row]
+        elif not short[row]:
+            assert held == list(range(world))
+    spread_only = PageTable(row_pages=tuple(p if not s else p[:0]
+                                            for p, s in zip(table.row_pages, short)),
+                            seq_lens=np.where(short, 0, lens), page_size=16)
+    spread_gap = np.ptp(_tokens_per_rank([shard_table(spread_only, rank=r, **opts)
+                                          for r in range(world)]))
+    gap = np.ptp(_tokens_per_rank(shares))
+    assert gap <= max(spread_gap, lens[short].max(initial=0)), (gap, spread_gap)
+
+
+def test_balanced_short_rows_and_bad_options():
+    """Short rows balance against the spread rows' shares, longest first, ties to the lower rank."""
+    table = PageTable(row_pages=(np.arange(0, 8), np.arange(8, 10), np.arange(10, 11),
+                                 np.arange(11, 13), np.zeros(0, np.int64)),
+                      seq_lens=np.array([128, 20, 16, 32, 0]), page_size=16)
+    # row 0 spread (64 tokens per rank); 32 -> rank 0, 20 -> rank 1, 16 -> rank 1, 0 -> rank 0
+    assert short_row_ranks(table, world_size=2, min_pages_per_rank=2).tolist() == [-1, 1, 1, 0, 0]
+    assert short_row_ranks(table, world_size=2, min_pages_per_rank=5).tolist() == [0, 1, 1, 1, 1]
+    for name, bad, error in (("min_pages_per_rank", 0, ValueError),
+                             ("min_pages_per_rank", 1.0, TypeError),
+                             ("min_pages_per_rank", True, TypeError),
+                             ("world_size", 0, ValueError)):
+        opts = {**dict(world_size=2, min_pages_per_rank=1), name: bad}
+        with pytest.raises(error, match=name):
+            short_row_ranks(table, **opts)
+        with pytest.raises(error, match=name):
+            shard_table(table, rank=0, **opts)
+    with pytest.raises(ValueError, match="rank must be >= 0, got -1"):
+        shard_table(table, rank=-1, world_size=2)

@@ -1,7 +1,8 @@
 """Context parallelism: each row's pages spread over the ranks of a torch.distributed group, each
 rank attending to its share with the usual kernels, one collective merging the partials exactly.
 
-    share = shard_table(table, rank=r, world_size=w)      # this rank's pages of every row
+    share = shard_table(table, rank=r, world_size=w,      # this rank's pages of every row
+                        min_pages_per_rank=1)             # shorter rows whole on one rank
     indptr, indices, last = share.csr(device)
     cp = ContextParallelDecode("HND", group=group)        # one per rank
     cp.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, num_qo_heads=...)
@@ -15,12 +16,20 @@ e^(lse_r - M)), the math of the in-launch merge. A rank with no tokens of a row 
 rescaled sums ("all_reduce"); NCCL on GPUs, gloo on CPUs. One query per row, no sliding window:
 positions would cross the shares. Tensor parallelism composes by heads: each tensor-parallel
 rank runs its own heads' context-parallel group.
+
+Short rows stay whole on one rank: a row is spread only when every rank would get at least
+min_pages_per_rank of its pages; the others go whole, longest first, to the rank holding the fewest
+tokens so far (the spread rows' shares included; ties to the lowest rank), so every rank computes
+the same assignment from the same table, without communication (short_row_ranks). The default, 1
+page, spreads every row of at least world_size pages; the threshold where spreading starts to pay
+(a task and the merge per rank against the KV read) is still to be calibrated on GPUs.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from .checks import check_count, check_positive_int
 from .page_table import PageTable
 from .wrapper import DecodeWrapper
 
@@ -28,25 +37,79 @@ PLACEMENTS = ("contiguous", "interleaved")
 MERGES = ("all_gather", "all_reduce")
 
 
-def shard_table(table: PageTable, *, rank: int, world_size: int,
-                placement: str = "contiguous") -> PageTable:
-    """Rank `rank`'s share of every row of `table`: contiguous (pages [r n / W, (r + 1) n / W) of a
-    row's n pages) or interleaved (pages r, r + W, ...). A share's length counts its tokens: full
-    pages, and the row's last (partial) page for the rank that holds it."""
+def _check_sharding(world_size, placement, min_pages_per_rank) -> tuple[int, int]:
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    if not (0 <= rank < world_size):
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    return (check_positive_int("world_size", world_size),
+            check_positive_int("min_pages_per_rank", min_pages_per_rank))
+
+
+def _spread_tokens(counts: np.ndarray, lens: np.ndarray, size: int, world: int,
+                   placement: str) -> np.ndarray:
+    """Tokens [R, W] of each rank's share of R rows of counts [R] pages and lens [R] tokens, each
+    spread over all W ranks (counts >= W)."""
+    ranks = np.arange(world)
+    n = counts[:, None]
+    if placement == "contiguous":
+        pages = (ranks + 1) * n // world - ranks * n // world
+        holder = np.full(len(counts), world - 1)
+    else:
+        pages = (n - ranks + world - 1) // world
+        holder = (counts - 1) % world
+    tokens = pages * size
+    tokens[np.arange(len(counts)), holder] -= counts * size - lens    # the partial last page
+    return tokens
+
+
+def short_row_ranks(table: PageTable, *, world_size: int, placement: str = "contiguous",
+                    min_pages_per_rank: int = 1) -> np.ndarray:
+    """The rank that holds each row of `table` whole, int64 [B]; -1 for a row spread over every
+    rank (at least min_pages_per_rank pages per rank, i.e. >= min_pages_per_rank x world_size
+    pages). Short rows go, longest first (ties: the lower row), to the rank with the fewest tokens
+    so far, spread rows' shares included (ties: the lower rank): the same answer on every rank.
+    The default threshold of 1 page is not yet calibrated on GPUs."""
+    world, least = _check_sharding(world_size, placement, min_pages_per_rank)
+    counts = np.array([len(p) for p in table.row_pages], dtype=np.int64)
+    lens = np.asarray(table.seq_lens, dtype=np.int64)
+    owner = np.full(len(counts), -1, dtype=np.int64)
+    spread = counts >= least * world
+    load = _spread_tokens(counts[spread], lens[spread], table.page_size, world,
+                          placement).sum(axis=0)
+    short = np.flatnonzero(~spread)
+    for row in short[np.argsort(-lens[short], kind="stable")]:
+        owner[row] = int(np.argmin(load))                                # the first of the least
+        load[owner[row]] += lens[row]
+    return owner
+
+
+def shard_table(table: PageTable, *, rank: int, world_size: int,
+                placement: str = "contiguous", min_pages_per_rank: int = 1) -> PageTable:
+    """Rank `rank`'s share of every row of `table` (B rows, in order). A row of n pages with
+    n >= min_pages_per_rank x world_size is spread: contiguous (pages [r n / W, (r + 1) n / W)) or
+    interleaved (pages r, r + W, ...). A shorter row goes whole to one rank (short_row_ranks) and
+    is empty elsewhere. A share's length counts its tokens: full pages, and the row's last (partial)
+    page for the rank that holds it. The default threshold (1 page) is to be calibrated on GPUs."""
+    world, _ = _check_sharding(world_size, placement, min_pages_per_rank)
+    rank = check_count("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank must be in [0, world_size={world}), got {rank}")
+    owner = short_row_ranks(table, world_size=world, placement=placement,
+                            min_pages_per_rank=min_pages_per_rank)
     pages, lens = [], []
     size = table.page_size
-    for row_pages, n in zip(table.row_pages, table.seq_lens.tolist()):
+    for row_pages, n, held_by in zip(table.row_pages, table.seq_lens.tolist(), owner.tolist()):
+        row_pages = np.asarray(row_pages, dtype=np.int64)
+        if held_by >= 0:
+            whole = held_by == rank
+            pages.append(row_pages if whole else row_pages[:0])
+            lens.append(int(n) if whole else 0)
+            continue
         count = len(row_pages)
-        mine = (np.arange(rank * count // world_size, (rank + 1) * count // world_size)
-                if placement == "contiguous" else np.arange(rank, count, world_size))
-        holds_last = count > 0 and len(mine) and mine[-1] == count - 1
-        tokens = len(mine) * size - ((count * size - n) if holds_last else 0)
-        pages.append(np.asarray(row_pages)[mine].astype(np.int64))
-        lens.append(max(0, tokens))
+        mine = (np.arange(rank * count // world, (rank + 1) * count // world)
+                if placement == "contiguous" else np.arange(rank, count, world))
+        holds_last = mine[-1] == count - 1            # a spread row gives every rank >= 1 page
+        pages.append(row_pages[mine])
+        lens.append(len(mine) * size - ((count * size - n) if holds_last else 0))
     return PageTable(row_pages=tuple(pages), seq_lens=np.asarray(lens, dtype=np.int64),
                      page_size=size)
 
@@ -87,9 +150,9 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
 
 class ContextParallelDecode:
     """One rank's side of context-parallel decode over `group` (default: the world). plan() takes
-    this rank's share of the page table (shard_table; a row with no pages here is fine) and
-    DecodeWrapper.plan's other options; run() returns every row's full attention on every
-    rank. method: the merge's collective (merge_across_ranks)."""
+    this rank's share of the page table (shard_table: a row may have none, some or all of its
+    pages here) and DecodeWrapper.plan's other options; run() returns every row's full attention
+    on every rank. method: the merge's collective (merge_across_ranks)."""
 
     def __init__(self, kv_layout: str = "NHD", *, group=None, method: str = "all_gather",
                  **wrapper_kwargs):
