@@ -121,3 +121,64 @@ def test_e2e_run_on_the_cpu(tmp_path):
         assert 0 <= r["token_agreement"] <= 1 and 0 <= r["matching_prefix"] <= 3
         assert r["tf_scored_requests"] == 2 and r["tf_logits_rel_diff"] < 5e-3
     assert rows[0]["tf_logits_max_abs_diff"] == 0.0 and rows[0]["speedup"] == 1.0
+
+
+def test_e2e_profile_wrapper_restores_the_attention_interface():
+    """--profile's wrapper replaces the implementation's entry under its own name (so that mask
+    creation, keyed on the name, is unchanged) and puts it back, also when the run raises."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from persistentkv.bench.e2e import wrapped_attention
+
+    register()
+    before = dict(AttentionInterface._global_mapping)
+    local_before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    for impl in ("paged|sdpa", NAME):
+        original = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
+
+        def wrap(fn):
+            def wrapper(*args, **kwargs):
+                return fn(*args, **kwargs)
+            return wrapper
+
+        with pytest.raises(RuntimeError, match="inside"):
+            with wrapped_attention(impl, wrap) as got:
+                assert got is original
+                inside = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
+                assert inside is not original and inside.__name__ == "wrapper"
+                raise RuntimeError("inside")
+        assert ALL_ATTENTION_FUNCTIONS.get_interface(impl, None) is original
+    assert AttentionInterface._global_mapping == before
+    assert ALL_ATTENTION_FUNCTIONS._local_mapping == local_before
+    with pytest.raises(ValueError, match="not registered"):
+        with wrapped_attention("paged|no-such-attention", wrap):
+            pass
+    assert AttentionInterface._global_mapping == before
+
+
+def test_e2e_profiled_run_on_the_cpu(tmp_path):
+    """--profile on a tiny batch: attention's share (self CPU time here) in every row, the
+    attention interface as it was, the table's numbers in the JSON and a PNG beside it."""
+    import json
+
+    from transformers import AttentionInterface
+
+    from persistentkv.bench.e2e import run_e2e
+
+    register()
+    before = dict(AttentionInterface._global_mapping)
+    rows = run_e2e(model_name="tiny", requests=[2], mean_prompt=8, new_tokens=3,
+                   impls=["paged|sdpa", NAME], device=torch.device("cpu"), out_dir=tmp_path,
+                   tag="p", teacher_forced=False, profile=True)
+    assert AttentionInterface._global_mapping == before
+    assert [r["impl"] for r in rows] == ["paged|sdpa", NAME]
+    for r in rows:
+        assert r["profile_basis"] == "cpu self time"
+        assert 0 < r["attention_share"] <= 1 and 0 < r["decode_attention_share"] <= 1, r
+        assert 0 < r["attention_ms"] <= r["profiled_ms"]
+        assert r["profile_decode_steps"] >= 1 and r["attention_ms_per_decode_step"] > 0
+        assert r["attention_calls_per_step"] == 2     # the tiny model's two layers
+    saved = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert saved[1]["attention_share"] == rows[1]["attention_share"]
+    assert (tmp_path / "p.png").stat().st_size > 1024

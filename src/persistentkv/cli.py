@@ -203,7 +203,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     run_e2e(model_name=model, requests=_ints(args.requests), mean_prompt=args.mean_prompt,
             new_tokens=args.new_tokens, impls=impls.split(","), device=torch.device(device),
             out_dir=Path(args.out), tag=args.tag or f"e2e-{model}",
-            teacher_forced=not args.no_teacher_forced)
+            teacher_forced=not args.no_teacher_forced, profile=args.profile)
     return 0
 
 
@@ -304,7 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--no-teacher-forced", action="store_true",
                      help="skip the teacher-forced scoring (one more prefill per implementation "
                           "and batch: the reference's tokens through each)")
-    e2e.add_argument("--out", default="results")
+    e2e.add_argument("--profile", action="store_true",
+                     help="one more untimed run per implementation and batch (at most 8 new "
+                          "tokens) under torch.profiler: attention's share of the CUDA kernel "
+                          "time (of the whole run and of its decode steps) and its ms per decode "
+                          "step; on the CPU of the self CPU time, the interpreter's")
+    e2e.add_argument("--out", default="results",
+                     help="folder for <tag>.json and <tag>.png (tokens/s per implementation "
+                          "and batch; attention's share with --profile)")
     e2e.add_argument("--tag")
     e2e.set_defaults(func=cmd_e2e)
 

@@ -32,13 +32,34 @@ A control helps read them: "paged|eager" (transformers' other paged implementati
 set on the CPU, --impls on a GPU, where its per-head scores [Hq, q, k] are not counted by
 transformers' cache sizing) against "paged|sdpa" shows how far two correct implementations
 differ in the same dtype.
+
+Profile (--profile; off by default, the timed runs unchanged). After a batch's timed runs each
+implementation runs once more, untimed (the same prompts, min(new_tokens, PROFILE_TOKENS) new
+tokens), under torch.profiler (CPU and, on a GPU, CUDA activities; every thread, since
+generate_batch runs the model in a background thread). For that run the attention function is
+replaced, under the implementation's own name in transformers' AttentionInterface (a new name
+would change continuous batching's mask creation, keyed on "paged|sdpa" and "paged|eager"), by
+a wrapper that calls it inside record_function(ATTENTION_LABEL); each model forward is a step,
+labelled decode (every query length 1) or prefill. The entry is put back afterwards, also when
+the run raises. Reported: attention_share, the CUDA time of the kernels launched inside the
+attention ranges over all kernels' time in the run; decode_attention_share, the same within the
+decode steps (the prefill dominates a short run of long prompts); attention_ms_per_decode_step;
+attention_ms and profiled_ms (the totals); device_ms_unlinked, kernel time the profiler linked to
+no CPU event (counted in the total, in no range: if it is large the shares are low bounds). On
+the CPU the times are self CPU time (profile_basis says which), under Triton's interpreter a
+measure of the interpreter, not of the kernels.
+
+Files: <tag>.json (the environment and the rows) and <tag>.png in --out: decode tokens/s per
+implementation against the number of requests and, when profiled, attention's shares.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -52,6 +73,9 @@ MODELS = {   # (layers, hidden, intermediate, Hq, Hkv, head_dim, vocab)
 }
 AGREEMENT_TOKENS = 32
 WARMUP_TOKENS = 2
+PROFILE_TOKENS = 8   # new tokens of the profiled run (at most --new-tokens)
+ATTENTION_LABEL = "persistentkv.e2e.attention"
+STEP_LABELS = {"decode": "persistentkv.e2e.decode_step", "prefill": "persistentkv.e2e.prefill_step"}
 
 
 def transformers_version() -> str:
@@ -265,9 +289,145 @@ def teacher_forced_diff(model, hidden: list, ref: list) -> dict:
             "tf_scored_requests": len(margins)}
 
 
+@contextmanager
+def wrapped_attention(impl: str, wrap):
+    """Inside the block, the attention function registered as `impl` is wrap(original), under
+    the same name, so that everything keyed on the name (continuous batching's mask creation for
+    "paged|sdpa" and "paged|eager", its paged handling) stays as it is. The entry is replaced
+    where transformers' lookup finds it (the shared ALL_ATTENTION_FUNCTIONS' local mapping first,
+    then AttentionInterface's global mapping, which models' own interfaces share) and put back on
+    the way out, also when the block raises."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    table = local if impl in local else AttentionInterface._global_mapping
+    if impl not in table:
+        raise ValueError(f"{impl!r} is not registered in transformers' AttentionInterface, so "
+                         f"--profile cannot wrap it")
+    original = table[impl]
+    table[impl] = wrap(original)
+    try:
+        yield original
+    finally:
+        table[impl] = original
+
+
+def _profile_all_threads():
+    """The profiler's config for every thread: generate_batch runs the model in a background
+    thread, which the profiler does not follow otherwise. None where torch lacks the option."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
+def profile_one(model, impl: str, prompts, *, new_tokens: int) -> dict:
+    """One untimed generate_batch (min(new_tokens, PROFILE_TOKENS) new tokens) under
+    torch.profiler, with the attention function wrapped in record_function(ATTENTION_LABEL) and
+    each model forward (a step) in a decode or prefill label (decode: every query length 1).
+    Device (CUDA kernel) time on a GPU, self CPU time on the CPU (profile_basis says which)."""
+    cuda = model.device.type == "cuda"
+    calls = {"attention": 0, "decode": 0, "prefill": 0}
+    open_steps = []
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def profiled_attention(*args, **kwargs):
+            calls["attention"] += 1
+            with torch.profiler.record_function(ATTENTION_LABEL):
+                return fn(*args, **kwargs)
+        return profiled_attention
+
+    def step_starts(module, args, kwargs):
+        q = kwargs.get("max_seqlen_q")
+        kind = "decode" if q is not None and int(q) == 1 else "prefill"
+        calls[kind] += 1
+        rf = torch.profiler.record_function(STEP_LABELS[kind])
+        rf.__enter__()
+        open_steps.append(rf)
+
+    def step_ends(module, args, kwargs, output):
+        if open_steps:
+            open_steps.pop().__exit__(None, None, None)
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    handles = [model.register_forward_pre_hook(step_starts, with_kwargs=True),
+               model.register_forward_hook(step_ends, with_kwargs=True, always_call=True)]
+    try:
+        with wrapped_attention(impl, wrap), torch.profiler.profile(
+                activities=activities, experimental_config=_profile_all_threads()) as prof:
+            _generate(model, impl, prompts, new_tokens=min(new_tokens, PROFILE_TOKENS))
+            if cuda:
+                torch.cuda.synchronize(model.device)
+    finally:
+        for h in handles:
+            h.remove()
+    row = attention_time(prof.events(), device=cuda)
+    steps = calls["decode"] + calls["prefill"]
+    row.update({"profile_new_tokens": min(new_tokens, PROFILE_TOKENS),
+                "profile_decode_steps": calls["decode"], "profile_prefill_steps": calls["prefill"],
+                "attention_calls_per_step": calls["attention"] / steps if steps else math.nan,
+                "attention_ms_per_decode_step": (row.pop("_decode_attention_ms") / calls["decode"]
+                                                 if calls["decode"] else math.nan)})
+    return row
+
+
+def _has_ancestor(event, names) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in names:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def attention_time(events, *, device: bool) -> dict:
+    """Attention's share of a profiled run's time from torch.profiler's events (profile_one's
+    labels). device=True: the CUDA time of the kernels launched inside the attention ranges (and
+    the decode steps') over all kernels' time, summed over kernels (streams that overlap count
+    twice); device_ms_unlinked is the kernel time that the profiler linked to no CPU event, in
+    the total but in no range. device=False: self CPU time inside the ranges over all self CPU
+    time (under the interpreter a measure of the interpreter)."""
+    from torch.autograd import DeviceType
+
+    labels = {ATTENTION_LABEL, *STEP_LABELS.values()}
+    cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    if device:
+        def inside(e):
+            return e.device_time_total
+        kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_async
+                   and not e.is_user_annotation and e.name not in labels
+                   and e.activity_type != "gpu_user_annotation"]
+        total = sum(e.time_range.elapsed_us() for e in kernels)
+        linked = sum(k.duration for e in cpu for k in e.kernels)
+    else:
+        def inside(e):
+            return e.cpu_time_total
+        total = sum(e.self_cpu_time_total for e in cpu)
+
+    def ranges(name):   # outermost ranges of that label
+        return [e for e in cpu if e.name == name and not _has_ancestor(e, {name})]
+
+    attention = ranges(ATTENTION_LABEL)
+    attn_us = sum(inside(e) for e in attention)
+    decode_attn_us = sum(inside(e) for e in attention if _has_ancestor(e, {STEP_LABELS["decode"]}))
+    decode_us = sum(inside(e) for e in ranges(STEP_LABELS["decode"]))
+    row = {"profile_basis": "cuda kernels" if device else "cpu self time",
+           "attention_share": attn_us / total if total else math.nan,
+           "decode_attention_share": decode_attn_us / decode_us if decode_us else math.nan,
+           "attention_ms": attn_us / 1e3, "profiled_ms": total / 1e3,
+           "_decode_attention_ms": decode_attn_us / 1e3}
+    if device:
+        row["device_ms_unlinked"] = max(0.0, total - linked) / 1e3
+    return row
+
+
 def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_tokens: int,
             impls: list[str], device: torch.device, out_dir: Path, tag: str,
-            teacher_forced: bool = True) -> list[dict]:
+            teacher_forced: bool = True, profile: bool = False) -> list[dict]:
     from ..integrations.transformers import register
 
     register()
@@ -281,6 +441,9 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
         prompts = prompts_for(n, mean_prompt, model.config.vocab_size, seed=n)
         results = [run_one(model, impl, prompts, new_tokens=new_tokens) for impl in impls]
         ref = results[0]
+        # untimed, after the timed runs: one profiled run per implementation (--profile)
+        profiles = ({impl: profile_one(model, impl, prompts, new_tokens=new_tokens)
+                     for impl in impls} if profile else {})
         ref_hidden = None
         for r in results:
             row = {"model": model_name, "requests": n, "mean_prompt": mean_prompt,
@@ -297,6 +460,7 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
                 if ref_hidden is None:
                     ref_hidden = hidden
                 row.update(teacher_forced_diff(model, hidden, ref_hidden))
+            row.update(profiles.get(r["impl"], {}))
             rows.append(row)
     _print_table(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -305,7 +469,65 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
     env["transformers"] = transformers_version()
     path.write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
     print(f"wrote {path}")
+    plot = plot_e2e(rows, out_dir / f"{tag}.png", title=f"{model_name}, {device.type}")
+    print(f"wrote {plot}")
     return rows
+
+
+PROFILE_KEYS = ("profile_basis", "attention_share", "decode_attention_share",
+                "attention_ms_per_decode_step", "attention_ms", "profiled_ms",
+                "device_ms_unlinked", "profile_new_tokens", "profile_decode_steps",
+                "profile_prefill_steps", "attention_calls_per_step")
+
+
+def plot_e2e(rows: list[dict], path: Path, *, title: str = "") -> Path:
+    """A PNG: decode tokens/s per implementation against the number of requests, and when the
+    rows were profiled, attention's share (of the decode steps' time, solid; of the whole
+    profiled run, hatched) beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    batches = sorted({r["requests"] for r in rows})
+    profiled = any("attention_share" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if profiled else 1, figsize=(12 if profiled else 6.5, 4.2),
+                             squeeze=False)
+    width = 0.8 / len(impls)
+    at = {(r["impl"], r["requests"]): r for r in rows}
+
+    def bars(ax, key, **kw):
+        for j, impl in enumerate(impls):
+            xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(batches))]
+            ys = [at.get((impl, n), {}).get(key, math.nan) for n in batches]
+            ax.bar(xs, [math.nan if y is None else y for y in ys], width,
+                   color=f"C{j}", label=impl if "hatch" not in kw else None, **kw)
+        ax.set_xticks(range(len(batches)), [str(n) for n in batches])
+        ax.set_xlabel("concurrent requests")
+
+    ax = axes[0][0]
+    bars(ax, "decode_tokens_per_s")
+    ax.set_ylabel("decode tokens/s")
+    speeds = [r["decode_tokens_per_s"] for r in rows if r["decode_tokens_per_s"] > 0]
+    if speeds and max(speeds) > 20 * min(speeds):   # e.g. the interpreter against torch
+        ax.set_yscale("log")
+    ax.set_title("decode throughput")
+    ax.legend(fontsize=8)
+    if profiled:
+        ax = axes[0][1]
+        bars(ax, "decode_attention_share")
+        bars(ax, "attention_share", fill=False, hatch="//", edgecolor="black", linewidth=0.5)
+        basis = next(r["profile_basis"] for r in rows if "profile_basis" in r)
+        ax.set_ylabel(f"attention share ({basis})")
+        ax.set_ylim(0, 1)
+        ax.set_title("attention's share: decode steps (solid), whole run (hatched)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"PersistentKV end to end{': ' + title if title else ''}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -314,11 +536,24 @@ def _print_table(rows: list[dict]) -> None:
 
     table = Table(title=f"PersistentKV end to end (transformers continuous batching), against "
                         f"{rows[0]['reference']}")
-    keys = [k for k in rows[0]
-            if k not in ("model", "mean_prompt", "new_tokens", "reference", "tf_scored_requests")]
+    keys = [k for k in rows[0] if k not in PROFILE_KEYS and k not in
+            ("model", "mean_prompt", "new_tokens", "reference", "tf_scored_requests")]
+    _add_rows(table, keys, rows)
+    console = Console(width=200)
+    console.print(table)
+    if "attention_share" in rows[0]:
+        basis = rows[0]["profile_basis"]
+        table = Table(title=f"Attention's share of the profiled run ({basis}; "
+                            f"{rows[0]['profile_new_tokens']} new tokens, untimed)")
+        keys = ["impl", "requests"] + [k for k in PROFILE_KEYS if k in rows[0]
+                                       and k not in ("profile_basis", "profile_new_tokens")]
+        _add_rows(table, keys, rows)
+        console.print(table)
+
+
+def _add_rows(table, keys: list[str], rows: list[dict]) -> None:
     for k in keys:
         table.add_column(k.replace("_", " "))
     for r in rows:
         table.add_row(*("-" if r.get(k) is None else f"{r[k]:.3g}" if isinstance(r[k], float)
                         else str(r[k]) for k in keys))
-    Console(width=200).print(table)
