@@ -1,26 +1,29 @@
 """transformers' continuous batching through "paged|persistentkv": a tiny random Llama gives the
 same greedy tokens as transformers' own "paged|sdpa", with prompts shorter and longer than 16
-tokens (prefill rows cut into pieces), and the attention runs through PersistentKV."""
+tokens (the longer ones' prefills through torch's sdpa), and the decode steps run through
+PersistentKV's kernel."""
 import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
 
-from persistentkv.integrations.transformers import NAME, paged_attention_forward, register, step_rows
+from persistentkv.integrations.transformers import NAME, paged_attention_forward, register, split_step
+from persistentkv.wrapper import DecodeWrapper
 
 
-def test_step_rows_cut_long_prefills_into_pieces():
-    """A request of 37 queries over 45 tokens (block 4) becomes pieces of 16, 16 and 5 queries
-    whose lengths end at their last query; a decode row stays one row."""
-    cu_q = np.array([0, 37, 38])
-    cu_k = np.array([0, 45, 55])
-    slots = np.concatenate([np.arange(100, 145), np.arange(8, 18)])   # request 0: pages 25..36
-    table, seq_lens, qo_indptr = step_rows(cu_q, cu_k, slots, block_size=4)
-    assert seq_lens.tolist() == [45 - 37 + 16, 45 - 37 + 32, 45, 10]
-    assert qo_indptr.tolist() == [0, 16, 32, 37, 38]
-    assert table[0, :12].tolist() == list(range(25, 37)) and (table[:3] == table[0]).all()
-    assert table[3, :3].tolist() == [2, 3, 4]
+def test_split_step_keeps_long_prefills_for_sdpa():
+    """Of a step with a request of 37 queries over 45 tokens, a decode token over 10 and a
+    request of 3 queries over 7 (block 4): the first is a prefill, the others decode rows, their
+    queries at positions 37 and 38-40 of the step."""
+    cu_q = np.array([0, 37, 38, 41])
+    cu_k = np.array([0, 45, 55, 62])
+    slots = np.concatenate([np.arange(100, 145), np.arange(8, 18), np.arange(40, 47)])
+    table, seq_lens, qo_indptr, decode_q, prefills = split_step(cu_q, cu_k, slots, block_size=4)
+    assert prefills == [(0, 37, 0, 45)]
+    assert seq_lens.tolist() == [10, 7] and qo_indptr.tolist() == [0, 1, 4]
+    assert decode_q.tolist() == [37, 38, 39, 40]
+    assert table[0, :3].tolist() == [2, 3, 4] and table[1, :2].tolist() == [10, 11]
 
 
 def test_generate_batch_matches_paged_sdpa():
@@ -38,23 +41,32 @@ def test_generate_batch_matches_paged_sdpa():
     # our plan reads the host; a cache sized for the batch (on the CPU transformers would take
     # 90% of the host's memory, slow to set up)
     no_graphs = ContinuousBatchingConfig(use_cuda_graph=False, num_blocks=8, max_batch_tokens=256)
-    calls = []
+    calls, kernel_runs = [], []
+    decode_run = DecodeWrapper.run
 
     def counted(*args, **kwargs):
         calls.append(1)
         return paged_attention_forward(*args, **kwargs)
+
+    def counted_run(self, q, *args, **kwargs):
+        kernel_runs.append(q.shape[0])
+        return decode_run(self, q, *args, **kwargs)
 
     tokens = {}
     for impl in ("paged|sdpa", register()):
         if impl == NAME:
             transformers.AttentionInterface.register(NAME, counted)
         model.set_attn_implementation(impl)
-        out = model.generate_batch(prompts, generation_config=gen, progress_bar=False,
-                                   warmup=False, continuous_batching_config=no_graphs)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DecodeWrapper, "run", counted_run)
+            out = model.generate_batch(prompts, generation_config=gen, progress_bar=False,
+                                       warmup=False, continuous_batching_config=no_graphs)
         tokens[impl] = {k: v.generated_tokens for k, v in out.items()}
     assert len(tokens[NAME]) == len(prompts) and all(len(t) == 6 for t in tokens[NAME].values())
     assert tokens[NAME] == tokens["paged|sdpa"]
     assert len(calls) >= 2 * 6                      # every layer of every step came through us
+    assert kernel_runs.count(len(prompts)) >= 2 * 5   # every decode step: one kernel run a layer
+    assert max(kernel_runs) <= 16, kernel_runs          # prefills of 20 and 38 tokens went to sdpa
 
 
 def test_outside_continuous_batching_is_refused():
@@ -182,3 +194,24 @@ def test_e2e_profiled_run_on_the_cpu(tmp_path):
     saved = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert saved[1]["attention_share"] == rows[1]["attention_share"]
     assert (tmp_path / "p.png").stat().st_size > 1024
+
+
+@pytest.mark.parametrize("n_q, n_k", [(18, 23), (19, 19)])
+def test_prefill_rows_against_float64(n_q, n_k):
+    """A prefill row (a chunk whose queries end at its last token, or a whole prompt) through
+    torch's sdpa on its tokens gathered from scattered cache slots, against float64."""
+    from persistentkv.integrations.transformers import _prefill
+
+    gen = torch.Generator().manual_seed(n_q)
+    k_cache, v_cache = (torch.randn(64, 2, 16, generator=gen) for _ in range(2))
+    slots = torch.randperm(64, generator=gen)[:n_k]
+    q = torch.randn(n_q, 4, 16, generator=gen)
+    out = _prefill(q, k_cache, v_cache, slots, 0.25)
+    k, v = k_cache[slots].double(), v_cache[slots].double()          # [n_k, Hkv, D]
+    ref = torch.empty(n_q, 4, 16, dtype=torch.float64)
+    for i in range(n_q):
+        seen = n_k - n_q + i + 1
+        for h in range(4):
+            p = torch.softmax(0.25 * k[:seen, h // 2] @ q[i, h].double(), dim=0)
+            ref[i, h] = p @ v[:seen, h // 2]
+    assert torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref) < 1e-5
