@@ -43,9 +43,9 @@ def register() -> str:
 
 
 class _StepPlan:
-    """One continuous-batching cache's wrapper and the last step it planned: its decode rows
-    (`rows`, their queries' positions in the step, None when they are its first `rows_q`) and
-    its prefill requests ((q_lo, q_hi, k_lo, k_hi) each)."""
+    """One continuous-batching cache's wrapper and the last step it planned: `rows` decode rows
+    with `rows_q` queries, at positions `decode_index` of the step's queries (None: its first
+    rows_q), and `prefills`, (q_lo, q_hi, k_lo, k_hi) per prefill request."""
 
     def __init__(self):
         self.wrapper = DecodeWrapper("NHD")
