@@ -148,13 +148,15 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot
     n_q, n_k = q.shape[0], slots.shape[0]
     k = k_cache.index_select(0, slots).transpose(0, 1)[None]          # [1, Hkv, n_k, D]
     v = v_cache.index_select(0, slots).transpose(0, 1)[None]
-    mask = None
-    if n_q != n_k:   # query i sits at position n_k - n_q + i
+    sdpa, q4 = torch.nn.functional.scaled_dot_product_attention, q.transpose(0, 1)[None]
+    if n_q == n_k:   # a whole prompt: causal from the start (a flash kernel, K/V heads shared)
+        o = sdpa(q4, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:            # a later chunk: query i sits at position n_k - n_q + i
         pos = torch.arange(n_k - n_q, n_k, device=q.device)
         mask = torch.arange(n_k, device=q.device)[None, :] <= pos[:, None]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-        enable_gqa=True)
+        group = q.shape[1] // k.shape[1]   # a masked kernel takes every head's K/V
+        o = sdpa(q4, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                 attn_mask=mask, scale=scale)
     return o[0].transpose(0, 1)
 
 
