@@ -18,9 +18,10 @@ reads the step's lengths on the host once (one synchronization per step, not per
 
 Full-attention layers only (Llama, Qwen2, Mistral without a window); a model with sliding-window
 layers or attention sinks is refused with a ValueError. The model's dtype must be float16 or
-bfloat16. The host read of each step does not go into a CUDA graph: on a GPU run generate_batch
-with ContinuousBatchingConfig(use_cuda_graph=False) (transformers turns graphs on by default for
-an implementation that needs no attention mask). Requires transformers 5.17
+bfloat16. The host read of each step does not go into a CUDA graph; transformers 5.17 turns its
+graphs on by default only for flash-attention implementations (by name), so generate_batch's
+defaults run without them, and a capture asked for (ContinuousBatchingConfig(use_cuda_graph=True))
+is refused with a ValueError that says so. Requires transformers 5.17
 (`pip install "persistentkv[transformers]"`).
 """
 from __future__ import annotations
