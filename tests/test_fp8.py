@@ -280,3 +280,27 @@ def test_scales_on_a_half_cache_at_run():
     with pytest.raises(ValueError, match=r"k_scale, v_scale and kv_scales dequantize an fp8 "
                                          r"kv_cache; this one is torch.float16"):
         wrapper.run(case.q, case.kv_cache, k_scale=1.0, v_scale=1.0)
+
+
+def test_plan_kv_data_type():
+    """plan(kv_data_type=) (FlashInfer's name): run() refuses a cache of another dtype, leaving
+    out untouched; a matching cache runs as without it; bad values are refused at plan()."""
+    case = make_case(seq_lens=[40, 17], **HEADS, layout="NHD", seed=2)
+    pool8, scales = fp8_pool(case.kv_cache, "NHD", "tensor")
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, kv_data_type=FP8)
+    out = torch.full_like(case.q, float("nan"))
+    with pytest.raises(ValueError, match="the kv_cache is torch.float16, but the plan was made "
+                                         "for kv_data_type=torch.float8_e4m3fn"):
+        wrapper.run(case.q, case.kv_cache, out=out)
+    assert out.isnan().all()
+    wrapper.run(case.q, pool8, out=out, **scales)
+    ref, _ = reference_decode(case.q, pool8, layout="NHD", **scales, **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[case.q.dtype]
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, kv_data_type=torch.float16)
+    with pytest.raises(ValueError, match="the kv_cache is torch.float8_e4m3fn"):
+        wrapper.run(case.q, pool8, **scales)
+    with pytest.raises(TypeError, match="kv_data_type must be a torch.dtype or None, got 'fp8'"):
+        wrapper.plan(**csr_kwargs(case.table), **HEADS, kv_data_type="fp8")
+    with pytest.raises(ValueError, match="kv_data_type must be one of .* got torch.float32"):
+        wrapper.plan(**csr_kwargs(case.table), **HEADS, kv_data_type=torch.float32)

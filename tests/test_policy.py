@@ -125,6 +125,14 @@ def test_a_policy_shipped_for_the_shape_comes_first(tmp_path, monkeypatch):
     assert load_policy("Test GPU", shape=(28, 4, 128)).table == general.table
     assert load_policy("Test GPU").shape == (32, 8, 128)
     assert load_policy("Other GPU", shape=(8, 1, 128)).table == {}
+    # fitted on fp8 steps: first for an fp8 cache, never for fp16/bf16; an fp8 cache without
+    # one takes the shape's file
+    fp8 = Policy(gpu="Test GPU", table={"r0-l0-s0": GROUPED}, shape=(8, 1, 128))
+    fp8.save(tmp_path / "policies" / policy_file_name("Test GPU", (8, 1, 128), kv_fp8=True))
+    assert policy_file_name("Test GPU", (8, 1, 128), kv_fp8=True) == "test-gpu-8-1-128-fp8.json"
+    assert load_policy("Test GPU", shape=(8, 1, 128), kv_fp8=True).table == fp8.table
+    assert load_policy("Test GPU", shape=(8, 1, 128)).table == shaped.table
+    assert load_policy("Test GPU", shape=(28, 4, 128), kv_fp8=True).table == general.table
 
 
 def test_unknown_gpu_gets_the_fallback_rule():

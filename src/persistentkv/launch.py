@@ -185,6 +185,9 @@ class DecodeLauncher:
             raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
         k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, self.kv_layout)
         fp8 = k.dtype == FP8
+        if plan.kv_data_type is not None and k.dtype != plan.kv_data_type:
+            raise ValueError(f"the kv_cache is {k.dtype}, but the plan was made for "
+                             f"kv_data_type={plan.kv_data_type}")
         if not fp8 and k.dtype != q.dtype:
             raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
         if not fp8 and (tensor_scales or kv_scales is not None):

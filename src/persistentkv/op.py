@@ -85,6 +85,9 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                          "call it without out= and return_lse=")
     k, v, (num_pages, heads, page, _) = cache_views(kv_cache, kv_layout)
     k_scale, v_scale, kv_scales = scales
+    if plan.kv_data_type is not None and k.dtype != plan.kv_data_type:
+        raise ValueError(f"the kv_cache is {k.dtype}, but the plan was made for "
+                         f"kv_data_type={plan.kv_data_type}")
     if (k.dtype == FP8) != (k_scale is not None or kv_scales is not None):
         raise ValueError("an fp8 kv_cache takes k_scale and v_scale or kv_scales; other caches "
                          "take none")

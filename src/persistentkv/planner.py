@@ -45,6 +45,7 @@ class PlanOptions:
     check_page_table: bool
     window_left: int = -1          # positions before each query it sees, -1: all
     logits_soft_cap: float = 0.0   # > 0: scores soft-capped (cap * tanh(s / cap))
+    kv_data_type: torch.dtype | None = None   # the cache's dtype run() must get (None: any)
 
 
 class Workspace:
@@ -119,6 +120,7 @@ class DecodePlan:
     config: KernelConfig
     window_left: int             # -1: no window
     logits_soft_cap: float       # 0: no soft-cap
+    kv_data_type: torch.dtype | None   # the cache dtype run() takes (None: any)
     choice: Choice | None        # None: decided per step on the device by the policy
     indices: torch.Tensor        # flat page indices the kernels read: kv_indices, block_table
                                  # (row-major), or a trusted table's guarded copy
@@ -237,7 +239,7 @@ class Planner:
             num_kv_heads=options.num_kv_heads, head_dim=options.head_dim,
             page_size=options.page_size, sm_scale=options.sm_scale, config=options.config,
             window_left=options.window_left, logits_soft_cap=options.logits_soft_cap,
-            choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
+            kv_data_type=options.kv_data_type, choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
             workspace=ws, programs=programs, max_page_index=table.max_page, guard=guard,
             queries=queries, total_queries=table.rows if queries is None else queries.total,
             launch_key=(id(ws), ws.generation, options, programs, table.max_page, q_pad,
@@ -260,7 +262,8 @@ class Planner:
                                  num_kv_heads=options.num_kv_heads)
         choice = options.choice
         policy = self.policy_for(device, (options.num_qo_heads, options.num_kv_heads,
-                                          options.head_dim))
+                                          options.head_dim),
+                                 kv_fp8=options.kv_data_type == torch.float8_e4m3fn)
         if choice is None and not policy.applies_to(
                 num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
                 head_dim=options.head_dim):
@@ -290,14 +293,16 @@ class Planner:
                                    constexprs=constexprs, num_warps=4, num_stages=2,
                                    device_index=table.device.index)
 
-    def policy_for(self, device: torch.device, shape: tuple[int, int, int]) -> Policy:
-        """The policy given, else the one shipped for the GPU at shape (Hq, Hkv, head_dim)."""
+    def policy_for(self, device: torch.device, shape: tuple[int, int, int], *,
+                   kv_fp8: bool = False) -> Policy:
+        """The policy given, else the one shipped for the GPU at shape (Hq, Hkv, head_dim) (for
+        an fp8 cache, load_policy's fp8 file first)."""
         if self.policy is not None:
             return self.policy
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        if (name, shape) not in self._shipped:
-            self._shipped[name, shape] = load_policy(name, shape=shape)
-        return self._shipped[name, shape]
+        if (name, shape, kv_fp8) not in self._shipped:
+            self._shipped[name, shape, kv_fp8] = load_policy(name, shape=shape, kv_fp8=kv_fp8)
+        return self._shipped[name, shape, kv_fp8]
 
     def _device_table(self, device: torch.device, codes: list[int] | None):
         """The policy's bin edges (float64 [3, POLICY_EDGES], padded with +inf) and dense choice

@@ -128,22 +128,25 @@ def parse_choice(text: str) -> Choice:
     return Choice(schedule, int(pages) if pages else None)
 
 
-def policy_file_name(gpu_name: str, shape: tuple[int, int, int] | None = None) -> str:
+def policy_file_name(gpu_name: str, shape: tuple[int, int, int] | None = None, *,
+                     kv_fp8: bool = False) -> str:
     """'NVIDIA H200' -> 'nvidia-h200.json'; at shape (Hq, Hkv, head_dim) = (8, 1, 128):
-    'nvidia-h200-8-1-128.json'."""
+    'nvidia-h200-8-1-128.json'; fitted on fp8 caches: 'nvidia-h200-8-1-128-fp8.json'."""
     stem = "-".join(gpu_name.lower().split())
-    return stem + "".join(f"-{n}" for n in shape or ()) + ".json"
+    return stem + "".join(f"-{n}" for n in shape or ()) + ("-fp8" if kv_fp8 else "") + ".json"
 
 
 def load_policy(gpu_name: str, path: str | Path | None = None, *,
-                shape: tuple[int, int, int] | None = None) -> Policy:
-    """The fitted policy at `path`, or the one shipped for `gpu_name`: the file fitted at `shape`
-    (Hq, Hkv, head_dim) when there is one, else the GPU's general file (which applies at the
-    shape it names, Policy.shape); the fallback-only policy when there is none."""
+                shape: tuple[int, int, int] | None = None, kv_fp8: bool = False) -> Policy:
+    """The fitted policy at `path`, or the one shipped for `gpu_name`: for an fp8 cache the file
+    fitted on fp8 steps at `shape` (Hq, Hkv, head_dim) when there is one, else the file fitted
+    at `shape`, else the GPU's general file (which applies at the shape it names,
+    Policy.shape); the fallback-only policy when there is none."""
     if path is not None:
         return Policy.from_json(Path(path).read_text())
     shipped = resources.files("persistentkv") / "policies"
-    for name in ([policy_file_name(gpu_name, shape)] if shape else []) + [policy_file_name(gpu_name)]:
+    names = [policy_file_name(gpu_name, shape, kv_fp8=True)] if shape and kv_fp8 else []
+    for name in names + ([policy_file_name(gpu_name, shape)] if shape else []) + [policy_file_name(gpu_name)]:
         if (shipped / name).is_file():
             return Policy.from_json((shipped / name).read_text())
     return Policy(gpu=gpu_name, fit={"note": "no fitted policy for this GPU: fallback rule"})

@@ -21,10 +21,13 @@ from .launch import DecodeLauncher
 from .page_inputs import page_table_args
 from .planner import DecodePlan, Planner, PlanOptions
 from .policy import Policy
+from .quant import FP8
 from .queries import MAX_QUERIES_PER_ROW, graph_query_layout, host_seq_lens, query_layout
 from .runtime import check_interpreter_numpy
 from .schedule import DETERMINISTIC_SPLIT_TOKENS, SCHEDULES, Choice
 from .tuning import KernelConfig, default_config
+
+KV_DATA_TYPES = (torch.float16, torch.bfloat16, FP8)
 
 BACKENDS = (*SCHEDULES, "auto")
 
@@ -80,7 +83,8 @@ class DecodeWrapper:
         if plan is None:
             return self._planner.policy
         return self._planner.policy_for(plan.indices.device,
-                                        (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim))
+                                        (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim),
+                                        kv_fp8=plan.kv_data_type == FP8)
 
     def check(self) -> None:
         """ValueError when a step since the last check() had page-table entries outside the pool.
@@ -110,7 +114,7 @@ class DecodeWrapper:
              config: KernelConfig | None = None, deterministic: bool = False,
              check_page_table: bool = False,
              qo_indptr: torch.Tensor | None = None, window_left: int = -1,
-             logits_soft_cap: float = 0.0) -> DecodePlan:
+             logits_soft_cap: float = 0.0, kv_data_type: torch.dtype | None = None) -> DecodePlan:
         """Plan one decode step from a CSR page table or from block_table + seq_lens.
 
         CSR (FlashInfer): kv_indptr int32 [B+1], kv_indices int32 [nnz], kv_last_page_len int32 [B]
@@ -141,10 +145,14 @@ class DecodeWrapper:
         logits_soft_cap > 0: scores s = sm_scale * q.k become cap * tanh(s / cap) (Gemma-2).
         Both hold for the step, like every plan option; a model whose layers differ keeps one
         wrapper per kind of layer. Sinks (per layer) go to run().
+        kv_data_type (FlashInfer's name): the cache's dtype, torch.float16, torch.bfloat16 or
+        torch.float8_e4m3fn; run() then refuses a cache of another dtype, and an fp8 plan takes
+        the policy fitted on fp8 steps where one is shipped. None: any cache.
         """
         check_interpreter_numpy()
         raw = (num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
-               config, deterministic, check_page_table, window_left, logits_soft_cap)
+               config, deterministic, check_page_table, window_left, logits_soft_cap,
+               kv_data_type)
         try:
             key = tuple((type(v), v) for v in raw)
             options = self._options.get(key)
@@ -222,7 +230,7 @@ class DecodeWrapper:
 
 def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, split_pages, sm_scale,
                   config, deterministic, check_page_table, window_left,
-                  logits_soft_cap) -> PlanOptions:
+                  logits_soft_cap, kv_data_type) -> PlanOptions:
     """plan()'s options, checked; every error names the argument and its value."""
     num_qo_heads, num_kv_heads, head_dim, page_size = check_attention_shape(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -273,7 +281,11 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         choice = Choice(backend)
     else:
         choice = Choice("split", split_pages)
+    if kv_data_type is not None and not isinstance(kv_data_type, torch.dtype):
+        raise TypeError(f"kv_data_type must be a torch.dtype or None, got {kv_data_type!r}")
+    if kv_data_type is not None and kv_data_type not in KV_DATA_TYPES:
+        raise ValueError(f"kv_data_type must be one of {KV_DATA_TYPES} or None, got {kv_data_type}")
     return PlanOptions(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        page_size=page_size, choice=choice, sm_scale=sm_scale, config=config,
                        check_page_table=check_page_table, window_left=int(window_left),
-                       logits_soft_cap=float(logits_soft_cap))
+                       logits_soft_cap=float(logits_soft_cap), kv_data_type=kv_data_type)

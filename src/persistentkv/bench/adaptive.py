@@ -98,7 +98,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         info = {"from_results": [str(p) for p in from_results]}
         fitted = env.get("shape")   # files without it were measured at the default shape
         fitted = shape if fitted is None else ModelShape(**{k: fitted[k] for k in (
-            "num_qo_heads", "num_kv_heads", "head_dim")})
+            "num_qo_heads", "num_kv_heads", "head_dim")}, kv_fp8=fitted.get("kv_fp8"))
     else:
         wrong = [c for c in candidates if candidate_choice(c) is None]
         if wrong or not candidates:
@@ -118,7 +118,8 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         # the measurements themselves, beside the policy: `--from-results` refits from them
         env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
         env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
-                        "head_dim": shape.head_dim, "page_size": shape.page_size}
+                        "head_dim": shape.head_dim, "page_size": shape.page_size,
+                        "kv_fp8": shape.kv_fp8}
         fitted = shape
         summary = [r for m in measured for r in summarize(m, ceiling_tbps=None)]
         steps = [{"case": m.name, **s} for m in measured for s in m.steps]
@@ -135,8 +136,11 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     policy.save(out_path)
     for key, choice in sorted(policy.table.items()):
         print(f"  {key}: {choice}")
-    print(f"wrote {out_path} (plan() loads it for this GPU and shape when shipped as "
-          f"src/persistentkv/policies/{policy_file_name(gpu, policy.shape)})")
+    kind = ("shape and fp8 caches (plan(kv_data_type=torch.float8_e4m3fn))" if fitted.kv_fp8
+            else "shape")
+    print(f"wrote {out_path} (plan() loads it for this GPU and {kind} when shipped as "
+          f"src/persistentkv/policies/"
+          f"{policy_file_name(gpu, policy.shape, kv_fp8=fitted.kv_fp8 is not None)})")
     return policy
 
 

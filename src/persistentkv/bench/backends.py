@@ -161,7 +161,8 @@ class PersistentKV(Backend):
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
                           page_size=step.page_size, backend=self.backend,
                           split_pages=self.split_pages, config=config, qo_indptr=step.qo_indptr,
-                          window_left=step.window_left, logits_soft_cap=step.logits_soft_cap)
+                          window_left=step.window_left, logits_soft_cap=step.logits_soft_cap,
+                          kv_data_type=step.pools[0].dtype)
 
     def run(self, layer: int) -> torch.Tensor:
         s = self.step
