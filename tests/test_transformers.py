@@ -135,6 +135,32 @@ def test_e2e_run_on_the_cpu(tmp_path):
     assert rows[0]["tf_logits_max_abs_diff"] == 0.0 and rows[0]["speedup"] == 1.0
 
 
+def test_e2e_reports_an_implementation_that_raises(tmp_path):
+    """An implementation other than the reference that raises (say, a control out of memory) is
+    a row with its error, and the others are measured as usual; the reference's errors stop."""
+    from transformers import AttentionInterface
+
+    from persistentkv.bench.e2e import run_e2e
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (a test)")
+
+    AttentionInterface.register("paged|broken", broken)
+    try:
+        rows = run_e2e(model_name="tiny", requests=[2], mean_prompt=12, new_tokens=2,
+                       impls=["paged|sdpa", "paged|broken"], device=torch.device("cpu"),
+                       out_dir=tmp_path, tag="t", teacher_forced=False)
+        assert [r["impl"] for r in rows] == ["paged|sdpa", "paged|broken"]
+        assert rows[0]["error"] is None and rows[0]["decode_tokens_per_s"] > 0
+        assert rows[1]["error"].startswith("RuntimeError") and rows[1]["decode_tokens_per_s"] is None
+        with pytest.raises(RuntimeError, match=r"paged\|broken: 2 of 2 requests"):
+            run_e2e(model_name="tiny", requests=[2], mean_prompt=12, new_tokens=2,
+                    impls=["paged|broken", "paged|sdpa"], device=torch.device("cpu"),
+                    out_dir=tmp_path, tag="t2", teacher_forced=False)
+    finally:
+        AttentionInterface._global_mapping.pop("paged|broken", None)
+
+
 def test_e2e_profile_wrapper_restores_the_attention_interface():
     """--profile's wrapper replaces the implementation's entry under its own name (so that mask
     creation, keyed on the name, is unchanged) and puts it back, also when the run raises."""

@@ -434,18 +434,40 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     model = build_model(model_name, device=device, dtype=dtype)
     ref_name = impls[0]
+    failed: dict[str, str] = {}   # an implementation that raised: reported, not run again
+
+    def attempt(impl: str, fn, *args, **kwargs):
+        """fn(...), or None once `impl` has raised (the reference's errors propagate)."""
+        if impl in failed:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - e.g. a control that runs out of memory
+            if impl == ref_name:
+                raise
+            failed[impl] = f"{type(exc).__name__}: {exc}"[:300]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+
     first = prompts_for(requests[0], mean_prompt, model.config.vocab_size, seed=requests[0])
-    warmups = {impl: warm_up(model, impl, first) for impl in impls}   # untimed: the JIT compile
+    warmups = {impl: attempt(impl, warm_up, model, impl, first) for impl in impls}   # the JIT
     rows = []
     for n in requests:
         prompts = prompts_for(n, mean_prompt, model.config.vocab_size, seed=n)
-        results = [run_one(model, impl, prompts, new_tokens=new_tokens) for impl in impls]
-        ref = results[0]
+        timed = {impl: attempt(impl, run_one, model, impl, prompts, new_tokens=new_tokens)
+                 for impl in impls}
+        ref = timed[ref_name]
         # untimed, after the timed runs: one profiled run per implementation (--profile)
-        profiles = ({impl: profile_one(model, impl, prompts, new_tokens=new_tokens)
+        profiles = ({impl: attempt(impl, profile_one, model, impl, prompts, new_tokens=new_tokens)
                      for impl in impls} if profile else {})
         ref_hidden = None
-        for r in results:
+        for impl in impls:
+            r = timed[impl]
+            if r is None:
+                rows.append({"model": model_name, "requests": n, "impl": impl,
+                             "reference": ref_name, "error": failed.get(impl)})
+                continue
             row = {"model": model_name, "requests": n, "mean_prompt": mean_prompt,
                    "new_tokens": new_tokens, "impl": r["impl"], "reference": ref_name,
                    "wall_s": r["wall_s"],
@@ -456,12 +478,16 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
                    "first_token_agreement": first_token_agreement(r["tokens"], ref["tokens"]),
                    "matching_prefix": matching_prefix(r["tokens"], ref["tokens"])}
             if teacher_forced:   # every implementation scores the reference's tokens
-                hidden = teacher_forced_hidden(model, r["impl"], prompts, ref["tokens"])
+                hidden = attempt(impl, teacher_forced_hidden, model, impl, prompts, ref["tokens"])
                 if ref_hidden is None:
                     ref_hidden = hidden
-                row.update(teacher_forced_diff(model, hidden, ref_hidden))
-            row.update(profiles.get(r["impl"], {}))
+                if hidden is not None:
+                    row.update(teacher_forced_diff(model, hidden, ref_hidden))
+            row.update(profiles.get(impl) or {})
+            row["error"] = failed.get(impl)
             rows.append(row)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    rows = [{k: r.get(k) for k in keys} for r in rows]
     _print_table(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{tag}.json"
@@ -509,7 +535,7 @@ def plot_e2e(rows: list[dict], path: Path, *, title: str = "") -> Path:
     ax = axes[0][0]
     bars(ax, "decode_tokens_per_s")
     ax.set_ylabel("decode tokens/s")
-    speeds = [r["decode_tokens_per_s"] for r in rows if r["decode_tokens_per_s"] > 0]
+    speeds = [r["decode_tokens_per_s"] for r in rows if (r.get("decode_tokens_per_s") or 0) > 0]
     if speeds and max(speeds) > 20 * min(speeds):   # e.g. the interpreter against torch
         ax.set_yscale("log")
     ax.set_title("decode throughput")
