@@ -17,6 +17,9 @@ FlashInfer's best with the same features and against the plain step; the issue's
 fp8: per grid cell (--fp8 FP16_GRID FP8_GRID..., grids of `persistentkv bench --grid --kv-fp8
 tensor|token`), each of our fp8 backends against pkv-auto on the fp16 cache and against
 FlashInfer's best fp8 entry; the issue's bars counted on the cells of >= 128 MB of fp16 KV.
+A/B: per grid cell (--ab-a FILES --ab-b FILES, runs of two trees alternated in one session),
+each tree's fastest run of a backend (--ab-backend, default pkv-auto), B's time over A's, and each
+tree's spread over its own runs (the noise the ratio is read against); the geometric mean.
 Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/evaluate.json
          [--previous results/h200/v3/grid.json]
      python scripts/benchmark_tables.py --shapes results/h200/shapes/*.json
@@ -24,6 +27,8 @@ Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/eval
          [--json results/h200/multi-token.json]
      python scripts/benchmark_tables.py --variants results/h200/variants/*.json
          [--json results/h200/variants.json]
+     python scripts/benchmark_tables.py --ab-a results/h200/experiments/v10/decode-{1,3}-main.json
+         --ab-b results/h200/experiments/v10/decode-{2,4}-qb.json
      python scripts/benchmark_tables.py --fp8 results/h200/variants/plain.json
          results/h200/fp8/fp8-{tensor,token}.json [--json results/h200/fp8.json]
 """
@@ -347,6 +352,36 @@ def fp8_table(summary) -> str:
     return "\n".join(out)
 
 
+def ab_table(a_paths, b_paths, backend="pkv-auto") -> str:
+    """Per cell: A's and B's fastest run (us per layer), B / A, and each tree's slowest over
+    fastest run; the geometric mean of B / A and its largest value."""
+    def runs(paths):
+        out = {}
+        for path in paths:
+            _, by, cases = _rows(path)
+            for case in cases:
+                r = by.get((case, backend))
+                if r and r["status"] == "ok":
+                    out.setdefault(case, []).append(r["graph_us_per_layer"])
+        return out
+    a, b = runs(a_paths), runs(b_paths)
+    cases = [c for c in a if c in b]
+    if not cases:
+        raise SystemExit(f"no cell has {backend} in both trees' files")
+    out = [f"| case | A us (spread) | B us (spread) | B / A |", "|---|---|---|---|"]
+    ratios = []
+    for case in cases:
+        ratio = min(b[case]) / min(a[case])
+        ratios.append(ratio)
+        out.append(f"| {case} | {min(a[case]):.1f} ({max(a[case]) / min(a[case]):.3f}) | "
+                   f"{min(b[case]):.1f} ({max(b[case]) / min(b[case]):.3f}) | {ratio:.3f} |")
+    out.append("")
+    out.append(f"{backend}, fastest of {len(a_paths)} A and {len(b_paths)} B runs: geometric mean "
+               f"B / A {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, largest "
+               f"{max(ratios):.3f} ({cases[ratios.index(max(ratios))]}), smallest {min(ratios):.3f}.")
+    return "\n".join(out)
+
+
 def _write_json(path, summary) -> None:
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
@@ -364,6 +399,9 @@ def main():
                         "--window-left / --soft-cap / --sinks, and a plain run of each shape")
     parser.add_argument("--fp8", nargs="+", metavar="GRID", help="the fp16 grid, then grid JSON "
                         "files of `bench --grid --kv-fp8 tensor|token`")
+    parser.add_argument("--ab-a", nargs="+", metavar="GRID", help="tree A's grid runs")
+    parser.add_argument("--ab-b", nargs="+", metavar="GRID", help="tree B's grid runs")
+    parser.add_argument("--ab-backend", default="pkv-auto")
     parser.add_argument("--json", help="with --queries, --variants or --fp8: write the summary here")
     args = parser.parse_args()
     if args.queries:
@@ -376,6 +414,10 @@ def main():
         print(variants_table(summary))
         if args.json:
             _write_json(args.json, summary)
+    if args.ab_a or args.ab_b:
+        if not (args.ab_a and args.ab_b):
+            raise SystemExit("--ab-a and --ab-b go together")
+        print(ab_table(args.ab_a, args.ab_b, args.ab_backend))
     if args.fp8:
         if len(args.fp8) < 2:
             raise SystemExit("--fp8 takes the fp16 grid and at least one fp8 grid")
