@@ -41,6 +41,23 @@ def make_case(*, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, 
     return Case(q=q, kv_cache=kv_cache, table=table, layout=layout)
 
 
+def draw_case(draw, seq_lens, *, groups):
+    """A hypothesis-drawn case over seq_lens: (case, heads, backend) with 2 KV heads of a group
+    from `groups`, head dim 32, page size 1, 8 or 16, either layout, any plan() backend."""
+    from hypothesis import strategies as st
+
+    from persistentkv import BACKENDS
+
+    group = draw(st.sampled_from(groups), label="group")
+    heads = dict(num_qo_heads=2 * group, num_kv_heads=2, head_dim=32,
+                 page_size=draw(st.sampled_from([1, 8, 16]), label="page_size"))
+    backend = draw(st.sampled_from(BACKENDS), label="backend")
+    case = make_case(seq_lens=seq_lens, **heads,
+                     layout=draw(st.sampled_from(["HND", "NHD"]), label="layout"),
+                     seed=draw(st.integers(0, 2**16), label="seed"))
+    return case, heads, backend
+
+
 def csr_kwargs(table: PageTable, device=DEVICE) -> dict:
     indptr, indices, last = table.csr(device)
     return dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case
+from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, draw_case, make_case
 from persistentkv import (BACKENDS, TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode,
                           relative_error)
 from persistentkv.quant import FP8, FP8_MAX, quantize, row_scales
@@ -125,13 +125,7 @@ def test_random_fp8(data):
     draw = data.draw
     rows = draw(st.integers(1, 3), label="rows")
     seq_lens = [draw(st.integers(1, 260), label="seq_len") for _ in range(rows)]
-    group = draw(st.sampled_from([1, 4, 5]), label="group")
-    heads = dict(num_qo_heads=2 * group, num_kv_heads=2, head_dim=32,
-                 page_size=draw(st.sampled_from([1, 8, 16]), label="page_size"))
-    backend = draw(st.sampled_from(BACKENDS), label="backend")
-    case = make_case(seq_lens=seq_lens, **heads,
-                     layout=draw(st.sampled_from(["HND", "NHD"]), label="layout"),
-                     seed=draw(st.integers(0, 2**16), label="seed"))
+    case, heads, backend = draw_case(draw, seq_lens, groups=[1, 4, 5])
     _check(case, draw(st.sampled_from(["tensor", "token"]), label="granularity"), backend=backend,
            heads=heads, split_pages=draw(st.integers(1, 4)) if backend == "split" else None,
            table_form=draw(st.sampled_from(["csr", "block"]), label="table_form"))

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case
+from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, draw_case, make_case
 from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
@@ -150,13 +150,7 @@ def test_random_variants(data):
     rows = len(q_lens) if q_lens else draw(st.integers(1, 3), label="rows")
     seq_lens = [draw(st.integers(q_lens[r] if q_lens else 1, 260), label="seq_len")
                 for r in range(rows)]
-    group = draw(st.sampled_from([1, 3, 4]), label="group")
-    heads = dict(num_qo_heads=2 * group, num_kv_heads=2, head_dim=32,
-                 page_size=draw(st.sampled_from([1, 8, 16]), label="page_size"))
-    backend = draw(st.sampled_from(BACKENDS), label="backend")
-    case = make_case(seq_lens=seq_lens, **heads,
-                     layout=draw(st.sampled_from(["HND", "NHD"]), label="layout"),
-                     seed=draw(st.integers(0, 2**16), label="seed"))
+    case, heads, backend = draw_case(draw, seq_lens, groups=[1, 3, 4])
     _check(case, backend=backend, heads=heads, q_lens=q_lens,
            window_left=draw(st.sampled_from([-1, 0, 5, 40, 100]), label="window_left"),
            logits_soft_cap=draw(st.sampled_from([0.0, 1.0, 30.0]), label="logits_soft_cap"),
