@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
-from .quant import FP8, check_scale, check_token_scales
+from .quant import FP8, check_cache_scales, check_scale
 from .runtime import interpreting
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (   # what Triton itself uses
@@ -185,22 +185,11 @@ class DecodeLauncher:
             raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
         k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, self.kv_layout)
         fp8 = k.dtype == FP8
-        if plan.kv_data_type is not None and k.dtype != plan.kv_data_type:
-            raise ValueError(f"the kv_cache is {k.dtype}, but the plan was made for "
-                             f"kv_data_type={plan.kv_data_type}")
+        check_cache_scales(cache_dtype=k.dtype, planned=plan.kv_data_type,
+                           tensor_scales=tensor_scales, kv_scales=kv_scales, num_pages=num_pages,
+                           num_kv_heads=heads, page_size=page, device=k.device)
         if not fp8 and k.dtype != q.dtype:
             raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
-        if not fp8 and (tensor_scales or kv_scales is not None):
-            raise ValueError(f"k_scale, v_scale and kv_scales dequantize an fp8 kv_cache; this "
-                             f"one is {k.dtype}")
-        if fp8 and tensor_scales == (kv_scales is not None):
-            raise ValueError("an fp8 kv_cache needs its scales: k_scale= and v_scale= (per "
-                             "tensor) or kv_scales= (per token), one of the two"
-                             if not tensor_scales else
-                             "give k_scale/v_scale (per tensor) or kv_scales (per token), not both")
-        if kv_scales is not None:
-            check_token_scales(kv_scales, num_pages=num_pages, num_kv_heads=heads, page_size=page,
-                               device=k.device)
         check_same_device(plan.indices.device, q=q, kv_cache=k)
         if (heads, page, dim) != (plan.num_kv_heads, plan.page_size, plan.head_dim):
             raise ValueError(f"kv_cache ({self.kv_layout}) has num_kv_heads={heads}, page_size={page}, "

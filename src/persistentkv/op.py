@@ -12,7 +12,7 @@ from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .kernels.guard import GUARD_BLOCK, guard_grid, guard_pages_kernel
 from .launch import LOG2_E, cache_strides
 from .page_inputs import cache_views
-from .quant import FP8, check_scale, check_token_scales
+from .quant import FP8, check_cache_scales, check_scale
 from .runtime import interpreting
 
 
@@ -85,15 +85,10 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                          "call it without out= and return_lse=")
     k, v, (num_pages, heads, page, _) = cache_views(kv_cache, kv_layout)
     k_scale, v_scale, kv_scales = scales
-    if plan.kv_data_type is not None and k.dtype != plan.kv_data_type:
-        raise ValueError(f"the kv_cache is {k.dtype}, but the plan was made for "
-                         f"kv_data_type={plan.kv_data_type}")
-    if (k.dtype == FP8) != (k_scale is not None or kv_scales is not None):
-        raise ValueError("an fp8 kv_cache takes k_scale and v_scale or kv_scales; other caches "
-                         "take none")
-    if kv_scales is not None:
-        check_token_scales(kv_scales, num_pages=num_pages, num_kv_heads=heads, page_size=page,
-                           device=k.device)
+    check_cache_scales(cache_dtype=k.dtype, planned=plan.kv_data_type,
+                       tensor_scales=k_scale is not None or v_scale is not None,
+                       kv_scales=kv_scales, num_pages=num_pages, num_kv_heads=heads,
+                       page_size=page, device=k.device)
     if k_scale is not None:
         k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     strides = list(cache_strides(k, kv_layout))

@@ -40,6 +40,29 @@ def check_scale(name: str, value: object) -> float:
     return float(value)
 
 
+def check_cache_scales(*, cache_dtype: torch.dtype, planned: torch.dtype | None,
+                       tensor_scales: bool, kv_scales, num_pages: int, num_kv_heads: int,
+                       page_size: int, device: torch.device) -> None:
+    """run()'s cache against its plan and its scales: the dtype plan(kv_data_type=) named (None:
+    any); an fp8 cache with exactly one kind of scales (tensor_scales: k_scale/v_scale given),
+    fp16/bf16 with none; per-token scales as check_token_scales wants them."""
+    if planned is not None and cache_dtype != planned:
+        raise ValueError(f"the kv_cache is {cache_dtype}, but the plan was made for "
+                         f"kv_data_type={planned}")
+    fp8 = cache_dtype == FP8
+    if not fp8 and (tensor_scales or kv_scales is not None):
+        raise ValueError(f"k_scale, v_scale and kv_scales dequantize an fp8 kv_cache; this "
+                         f"one is {cache_dtype}")
+    if fp8 and tensor_scales == (kv_scales is not None):
+        raise ValueError("an fp8 kv_cache needs its scales: k_scale= and v_scale= (per "
+                         "tensor) or kv_scales= (per token), one of the two"
+                         if not tensor_scales else
+                         "give k_scale/v_scale (per tensor) or kv_scales (per token), not both")
+    if kv_scales is not None:
+        check_token_scales(kv_scales, num_pages=num_pages, num_kv_heads=num_kv_heads,
+                           page_size=page_size, device=device)
+
+
 def check_token_scales(kv_scales: object, *, num_pages: int, num_kv_heads: int, page_size: int,
                        device: torch.device) -> torch.Tensor:
     """Per-token scales as the kernel reads them: contiguous fp32 [pages, 2, Hkv, page_size] on
