@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
 
+from paged_case import DEVICE, ON_GPU
 from persistentkv.integrations.transformers import NAME, paged_attention_forward, register, split_step
 from persistentkv.wrapper import DecodeWrapper
 
@@ -103,7 +104,7 @@ def test_e2e_teacher_forced_scoring_follows_the_forced_tokens():
     from persistentkv.bench.e2e import build_model, teacher_forced_diff, teacher_forced_hidden
 
     register()
-    model = build_model("tiny", device=torch.device("cpu"), dtype=torch.float16)
+    model = build_model("tiny", device=DEVICE, dtype=torch.float16)
     prompts = [list(range(3, 23)), [7, 1, 4, 1, 5]]             # a prefill cut into pieces, a short one
     gen = torch.Generator().manual_seed(0)
     forced = [torch.randint(1, 128, (4,), generator=gen).tolist() for _ in prompts]
@@ -118,13 +119,13 @@ def test_e2e_teacher_forced_scoring_follows_the_forced_tokens():
     assert moved["tf_logits_rel_diff"] > 0.1, moved     # tokens 1-3 follow other contexts
 
 
-def test_e2e_run_on_the_cpu(tmp_path):
-    """The whole command on a tiny batch: rows for the reference, the control and ours, with the
+def test_e2e_run_of_a_tiny_model(tmp_path):
+    """The whole command on a tiny batch (on the GPU where there is one): rows for the reference, the control and ours, with the
     warm-up's time in the first batch's rows and the teacher-forced check near zero."""
     from persistentkv.bench.e2e import run_e2e
 
     rows = run_e2e(model_name="tiny", requests=[2], mean_prompt=12, new_tokens=3,
-                   impls=["paged|sdpa", "paged|eager", NAME], device=torch.device("cpu"),
+                   impls=["paged|sdpa", "paged|eager", NAME], device=DEVICE,
                    out_dir=tmp_path, tag="t")
     assert [r["impl"] for r in rows] == ["paged|sdpa", "paged|eager", NAME]
     assert (tmp_path / "t.json").exists()
@@ -195,8 +196,9 @@ def test_e2e_profile_wrapper_restores_the_attention_interface():
     assert AttentionInterface._global_mapping == before
 
 
-def test_e2e_profiled_run_on_the_cpu(tmp_path):
-    """--profile on a tiny batch: attention's share (self CPU time here) in every row, the
+def test_e2e_profiled_run_of_a_tiny_model(tmp_path):
+    """--profile on a tiny batch: attention's share (the CUDA kernels' time on a GPU, self CPU
+    time without one) in every row, the
     attention interface as it was, the table's numbers in the JSON and a PNG beside it."""
     import json
 
@@ -207,12 +209,12 @@ def test_e2e_profiled_run_on_the_cpu(tmp_path):
     register()
     before = dict(AttentionInterface._global_mapping)
     rows = run_e2e(model_name="tiny", requests=[2], mean_prompt=8, new_tokens=3,
-                   impls=["paged|sdpa", NAME], device=torch.device("cpu"), out_dir=tmp_path,
+                   impls=["paged|sdpa", NAME], device=DEVICE, out_dir=tmp_path,
                    tag="p", teacher_forced=False, profile=True)
     assert AttentionInterface._global_mapping == before
     assert [r["impl"] for r in rows] == ["paged|sdpa", NAME]
     for r in rows:
-        assert r["profile_basis"] == "cpu self time"
+        assert r["profile_basis"] == ("cuda kernels" if ON_GPU else "cpu self time")
         assert 0 < r["attention_share"] <= 1 and 0 < r["decode_attention_share"] <= 1, r
         assert 0 < r["attention_ms"] <= r["profiled_ms"]
         assert r["profile_decode_steps"] >= 1 and r["attention_ms_per_decode_step"] > 0

@@ -399,8 +399,7 @@ def attention_time(events, *, device: bool) -> dict:
         def inside(e):
             return e.device_time_total
         kernels = [e for e in events if e.device_type != DeviceType.CPU and not e.is_async
-                   and not e.is_user_annotation and e.name not in labels
-                   and e.activity_type != "gpu_user_annotation"]
+                   and not e.is_user_annotation and e.name not in labels]
         total = sum(e.time_range.elapsed_us() for e in kernels)
         linked = sum(k.duration for e in cpu for k in e.kernels)
     else:
