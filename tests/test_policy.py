@@ -203,3 +203,49 @@ def test_a_policy_fitted_on_another_shape_leaves_the_default_rule():
             **csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
             backend="auto")
         assert plan.info()["choice"] == want, shape
+
+
+def test_a_split_fitted_in_pages_keeps_its_tokens_at_another_page_size():
+    """A policy's split of N pages counts in the pages it was fitted on: a plan of another page
+    size takes the same tokens (rounded up to its pages), in the host lookup and on the device,
+    and JSON keeps the page size."""
+    policy = Policy(gpu="cpu", table={"r0-l1-s0": SPLIT16, "r1-l0-s0": GROUPED}, page_size=16)
+    policy = Policy.from_json(policy.to_json())
+    assert policy.page_size == 16
+    step = StepFeatures.of([8000], **FEATS)
+    assert [policy.decide(step, page_size=p) for p in (1, 4, 16, 64, 48, None)] == [
+        Choice("split", 256), Choice("split", 64), SPLIT16, Choice("split", 4),
+        Choice("split", 6), SPLIT16]                                  # 256 tokens; 288 at 48
+    codes = policy.dense_codes(page_size=1)
+    assert 256 in codes and -1 in codes and 16 not in codes
+    assert Policy(gpu="cpu", table={"r0-l1-s0": SPLIT16}).dense_codes(page_size=1).count(16) == 1
+    lens = [300, 20, 90]                                              # on the device: page size 4
+    case = make_case(seq_lens=lens, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=4)
+    key = StepFeatures.of(lens, num_kv_heads=2, head_dim=64, elem_size=2).bin()
+    fitted = Policy(gpu="cpu", table={key: Choice("split", 2)}, page_size=16)
+    wrapper = DecodeWrapper("NHD", policy=fitted)
+    plan = wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                        page_size=4, backend="auto")
+    assert plan.info()["choice"] == Choice("split", 8) and plan.info()["split_tokens"] == 32
+    out = torch.full_like(case.q, float("nan"))
+    wrapper.run(case.q, case.kv_cache, out=out)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"Policy.page_size must be a positive int or None, got {bad!r}"):
+            Policy(gpu="cpu", page_size=bad)
+
+
+def test_shipped_policies_name_their_shape_and_page_size():
+    """Every shipped file loads, applies at the shape its name gives, and counts its splits in
+    16-token pages (the calibration's default)."""
+    from importlib import resources
+
+    files = sorted(p for p in (resources.files("persistentkv") / "policies").iterdir()
+                   if p.name.endswith(".json"))
+    assert len(files) >= 4
+    for f in files:
+        policy = Policy.from_json(f.read_text())
+        assert policy.page_size == 16, f.name
+        assert f.name == policy_file_name(policy.gpu, policy.shape,
+                                          kv_fp8=f.name.endswith("-fp8.json")), f.name

@@ -268,7 +268,7 @@ class Planner:
                 num_qo_heads=options.num_qo_heads, num_kv_heads=options.num_kv_heads,
                 head_dim=options.head_dim):
             choice = fallback_choice()
-        dense = None if choice is not None else policy.dense_codes()
+        dense = None if choice is not None else policy.dense_codes(page_size=options.page_size)
         codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
         fixed_tail = (choice.code() if dense is None else 0, target, chunks, cfg.min_split_tokens,

@@ -7,7 +7,8 @@ when it is within the tie tolerance); a bin no calibration step reached takes th
 which is measured to hold on every shape of the grid. The planner reads the table on the device, as
 `dense_codes()` lays it out (every bin filled), so the same decision is taken inside a CUDA
 graph; `decide()` is the same lookup on the host, for reports and tests. Saved as JSON per GPU
-model. A GPU with no fitted policy gets the default split rule on every step (`fallback_choice`).
+model and shape, with the page size its split sizes count in. A GPU with no fitted policy gets the
+default split rule on every step (`fallback_choice`).
 """
 from __future__ import annotations
 
@@ -79,30 +80,53 @@ def fallback_choice() -> Choice:
 class Policy:
     """table: bin -> the fastest Choice on the calibration steps of that bin. shape: the
     (num_qo_heads, num_kv_heads, head_dim) it was fitted on, None for any; a plan of another
-    shape takes the default rule (a split size fitted at 8 KV heads does not hold at 1)."""
+    shape takes the default rule (a split size fitted at 8 KV heads does not hold at 1).
+    page_size: the page size the table's split sizes count in (the calibration's), None for
+    the plan's own; a plan of another page size takes the same split in tokens (in_pages)."""
 
     gpu: str
     table: dict[str, Choice] = field(default_factory=dict)
     fit: dict = field(default_factory=dict)     # how it was fitted: traces, seeds, objective, counts
     shape: tuple[int, int, int] | None = None
+    page_size: int | None = None
+
+    def __post_init__(self):
+        if self.page_size is not None and (isinstance(self.page_size, bool)
+                                           or not isinstance(self.page_size, int)
+                                           or self.page_size < 1):
+            raise ValueError(f"Policy.page_size must be a positive int or None, "
+                             f"got {self.page_size!r}")
 
     def applies_to(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return self.shape is None or tuple(self.shape) == (num_qo_heads, num_kv_heads, head_dim)
 
-    def decide(self, features: StepFeatures) -> Choice:
-        """The choice for a step: its bin's, else the fallback (the default split rule)."""
-        return self.table.get(features.bin()) or fallback_choice()
+    def in_pages(self, choice: Choice, *, page_size: int | None) -> Choice:
+        """`choice` for a plan of `page_size`: a split of N pages of the policy's page size is
+        the split of the same tokens, ceil(N * self.page_size / page_size) pages (v15: the 32/8
+        policy's 16-page split of a B1 8K step, 256 tokens, ran 81.8 us as 16 one-token pages
+        against 17.4 us at 512 tokens)."""
+        if (choice.split_pages is None or self.page_size is None or page_size is None
+                or page_size == self.page_size):
+            return choice
+        return Choice(choice.schedule, -(-choice.split_pages * self.page_size // page_size))
 
-    def dense_codes(self) -> list[int]:
-        """Choice codes (schedule.Choice.code) of every bin, rows-major then longest context then
-        spread: what the planner looks up on the device."""
+    def decide(self, features: StepFeatures, *, page_size: int | None = None) -> Choice:
+        """The choice for a step (of a plan of `page_size`): its bin's, else the fallback (the
+        default split rule)."""
+        return self.in_pages(self.table.get(features.bin()) or fallback_choice(),
+                             page_size=page_size)
+
+    def dense_codes(self, *, page_size: int | None = None) -> list[int]:
+        """Choice codes (schedule.Choice.code) of every bin for a plan of `page_size`,
+        rows-major then longest context then spread: what the planner looks up on the device."""
         bins = itertools.product(*(range(len(edges) + 1) for edges in EDGES))
-        return [(self.table.get(k) or fallback_choice()).code() for k in map(_bin_key, bins)]
+        return [self.in_pages(self.table.get(k) or fallback_choice(), page_size=page_size).code()
+                for k in map(_bin_key, bins)]
 
     # -- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps({"gpu": self.gpu, "shape": None if self.shape is None else list(self.shape),
-                           "table": {k: str(v) for k, v in sorted(self.table.items())},
+                           "page_size": self.page_size, "table": {k: str(v) for k, v in sorted(self.table.items())},
                            "fit": self.fit}, indent=1) + "\n"
 
     @classmethod
@@ -112,7 +136,8 @@ class Policy:
             shape = data.get("shape")
             return cls(gpu=data["gpu"], table={k: parse_choice(v) for k, v in data["table"].items()},
                        fit=data.get("fit", {}),
-                       shape=None if shape is None else tuple(int(x) for x in shape))
+                       shape=None if shape is None else tuple(int(x) for x in shape),
+                       page_size=data.get("page_size"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a policy file: {exc}") from None
 
@@ -154,8 +179,9 @@ def load_policy(gpu_name: str, path: str | Path | None = None, *,
 
 def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
                tie_tolerance: float = 0.02, info: dict | None = None,
-               shape: tuple[int, int, int] | None = None) -> Policy:
-    """Decision table from measured steps.
+               shape: tuple[int, int, int] | None = None,
+               page_size: int | None = None) -> Policy:
+    """Decision table from measured steps (of plans of `page_size`).
 
     steps: one dict per (step, candidate) with 'bin' (StepFeatures.bin of the step), 'step_key'
     (unique per step), 'choice' (a Choice), 'status', 'graph_us' and 'eager_us' (us, lower is
@@ -188,6 +214,6 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
         table[bin_key] = winner
         counts[bin_key] = {"steps": n, "best": str(winner),
                            "median_us": statistics.median(x[objective] for x in per_choice[winner])}
-    return Policy(gpu=gpu, table=table, shape=shape,
+    return Policy(gpu=gpu, table=table, shape=shape, page_size=page_size,
                   fit={**(info or {}), "objective": objective, "tie_tolerance": tie_tolerance,
                        "bins": counts})

@@ -98,7 +98,8 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         info = {"from_results": [str(p) for p in from_results]}
         fitted = env.get("shape")   # files without it were measured at the default shape
         fitted = shape if fitted is None else ModelShape(**{k: fitted[k] for k in (
-            "num_qo_heads", "num_kv_heads", "head_dim")}, kv_fp8=fitted.get("kv_fp8"))
+            "num_qo_heads", "num_kv_heads", "head_dim")}, kv_fp8=fitted.get("kv_fp8"),
+            page_size=fitted.get("page_size", ModelShape.page_size))
     else:
         wrong = [c for c in candidates if candidate_choice(c) is None]
         if wrong or not candidates:
@@ -131,7 +132,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
                          f"candidate (pkv-grouped, pkv-split, pkv-balanced, pkv-split@N)")
     policy = fit_policy(steps, gpu=gpu, objective="eager_us" if functional else objective,
                         shape=(fitted.num_qo_heads, fitted.num_kv_heads, fitted.head_dim),
-                        info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
+                        page_size=fitted.page_size, info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(out_path)
     for key, choice in sorted(policy.table.items()):
