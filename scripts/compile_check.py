@@ -1,7 +1,8 @@
 """Compile the decode kernel for a GPU target without a GPU (Triton's compiler and ptxas only):
 catches compile errors the interpreter does not, and reports registers, spills, shared memory,
 cp.async use and the deepest `cp.async.wait_group` (0 means no tile is kept in flight across
-iterations: the K/V loads are not really pipelined).
+iterations: the K/V loads are not really pipelined), and counts the SASS instructions (all,
+shared-memory loads LDS and ldmatrix LDSM, byte permutes PRMT, 16-byte cp.async LDGSTS.128).
 Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90]
 """
 import argparse
@@ -67,6 +68,23 @@ def resource_usage(cubin: bytes) -> str:
     return f"{regs.group(1) if regs else '?'} registers, stack {stack.group(1) if stack else '?'} B"
 
 
+def sass_counts(cubin: bytes) -> str:
+    """Instruction counts from the cubin's SASS: all, shared-memory loads (LDS, and LDSM =
+    ldmatrix), byte permutes (PRMT) and 16-byte asynchronous copies (LDGSTS.128)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    def count(prefix):
+        return sum(1 for op in ops if op == prefix or op.startswith(prefix + "."))
+    ldgsts = sum(1 for op in ops if op.startswith("LDGSTS") and op.endswith(".128"))
+    return (f"{len(ops)} instructions, {count('LDS')} LDS, {count('LDSM')} LDSM, "
+            f"{count('PRMT')} PRMT, {ldgsts} LDGSTS.128")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", type=int, default=90)
@@ -89,7 +107,7 @@ def main():
         print(f"group {group:2d} d {head_dim:3d} queries {queries:2d} {'+'.join(variants)}: "
               f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
-              f"deepest wait_group {max(waits, default=-1)}")
+              f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}")
 
 
 if __name__ == "__main__":
