@@ -243,3 +243,40 @@ def test_prefill_rows_against_float64(n_q, n_k):
             p = torch.softmax(0.25 * k[:seen, h // 2] @ q[i, h].double(), dim=0)
             ref[i, h] = p @ v[:seen, h // 2]
     assert torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref) < 1e-5
+
+
+def test_attention_time_from_cuda_events():
+    """The profile's CUDA arithmetic on hand-made events: kernels inside the attention range over
+    all kernels, the decode steps' share, kernel time linked to no range, and our kernels by
+    name (which needs no linking)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    from persistentkv.bench.e2e import ATTENTION_LABEL, STEP_LABELS, attention_time
+
+    def kernel(name, us):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_async=False,
+                               is_user_annotation=False, time_range=SimpleNamespace(
+                                   elapsed_us=lambda: us), cpu_parent=None)
+
+    def cpu(name, parent, kernels, inner_us=0.0):
+        """A CPU range that launched `kernels` itself and holds ranges of inner_us of kernels
+        (as torch.profiler: a kernel belongs to the op that launched it, totals add children)."""
+        own = [Kernel(k.name, 0, k.time_range.elapsed_us()) for k in kernels]
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, is_async=False,
+                               is_user_annotation=False, cpu_parent=parent, cpu_time_total=1.0,
+                               self_cpu_time_total=1.0, kernels=own,
+                               device_time_total=sum(k.duration for k in own) + inner_us)
+
+    decode_kernel, gemm = kernel("paged_decode_kernel_0d1d", 300.0), kernel("sm90_gemm", 700.0)
+    unlinked = kernel("paged_decode_kernel_0d1d", 100.0)
+    step = cpu(STEP_LABELS["decode"], None, [gemm], inner_us=300.0)
+    attention = cpu(ATTENTION_LABEL, step, [decode_kernel])
+    row = attention_time([step, attention, decode_kernel, gemm, unlinked], device=True)
+    assert row["profile_basis"] == "cuda kernels"
+    assert row["attention_share"] == pytest.approx(300 / 1100)
+    assert row["decode_attention_share"] == pytest.approx(300 / 1000)
+    assert row["device_ms_unlinked"] == pytest.approx(0.1) and row["profiled_ms"] == pytest.approx(1.1)
+    assert row["pkv_kernel_ms"] == pytest.approx(0.4)

@@ -45,7 +45,9 @@ the run raises. Reported: attention_share, the CUDA time of the kernels launched
 attention ranges over all kernels' time in the run; decode_attention_share, the same within the
 decode steps (the prefill dominates a short run of long prompts); attention_ms_per_decode_step;
 attention_ms and profiled_ms (the totals); device_ms_unlinked, kernel time the profiler linked to
-no CPU event (counted in the total, in no range: if it is large the shares are low bounds). On
+no CPU event (counted in the total, in no range: if it is large the shares are low bounds);
+pkv_kernel_ms, the device time of PersistentKV's own kernels by name (PKV_KERNELS: planner, page
+guard, decode; prefills never reach them), which needs no linking. On
 the CPU the times are self CPU time (profile_basis says which), under Triton's interpreter a
 measure of the interpreter, not of the kernels.
 
@@ -384,6 +386,9 @@ def _has_ancestor(event, names) -> bool:
     return False
 
 
+PKV_KERNELS = ("plan_kernel", "guard_pages_kernel", "paged_decode_kernel")   # Triton's names
+
+
 def attention_time(events, *, device: bool) -> dict:
     """Attention's share of a profiled run's time from torch.profiler's events (profile_one's
     labels). device=True: the CUDA time of the kernels launched inside the attention ranges (and
@@ -421,6 +426,8 @@ def attention_time(events, *, device: bool) -> dict:
            "_decode_attention_ms": decode_attn_us / 1e3}
     if device:
         row["device_ms_unlinked"] = max(0.0, total - linked) / 1e3
+        row["pkv_kernel_ms"] = sum(e.time_range.elapsed_us() for e in kernels
+                                   if e.name.startswith(PKV_KERNELS)) / 1e3
     return row
 
 
@@ -501,7 +508,7 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
 
 PROFILE_KEYS = ("profile_basis", "attention_share", "decode_attention_share",
                 "attention_ms_per_decode_step", "attention_ms", "profiled_ms",
-                "device_ms_unlinked", "profile_new_tokens", "profile_decode_steps",
+                "device_ms_unlinked", "pkv_kernel_ms", "profile_new_tokens", "profile_decode_steps",
                 "profile_prefill_steps", "attention_calls_per_step")
 
 
