@@ -4,9 +4,13 @@
 # FlashInfer (with graph mode), the policy's calibration and held-out evaluation, the fixed-cost
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
-#   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep ...]
+#   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
+#                                        presets|pages|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
-# step cannot take the others' results with it.
+# step cannot take the others' results with it. presets: a policy per preset of $PRESETS (default
+# the shapes without a shipped one), fitted and judged on the held-out seeds, about 150 s each;
+# pages: the page-size spot check (1 and 64); e2e: transformers end to end (llama3-8b and
+# qwen2.5-7b shapes, 32 and 128 requests of about 4K-token prompts, with the profile).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
 out=${OUT_DIR:-results/$gpu}
@@ -42,6 +46,27 @@ for step in $steps; do
                cat "$out/probe-dispatch.json" ;;
     sweep)     timeout 300 python3 -m persistentkv.cli sweep --out "$out/sweep.json" > "$out/sweep-log.txt" 2>&1
                tail -12 "$out/sweep-log.txt" ;;
+    presets)   mkdir -p "$out/presets"
+               for p in ${PRESETS:-llama3-70b qwen3-14b gpt-oss gpt-oss-tp8 gemma2-9b}; do
+                 timeout 200 python3 -m persistentkv.cli calibrate --preset "$p" --samples 4 \
+                   --out "$out/presets/policy-$p.json" > "$out/presets/calibrate-$p-log.txt" 2>&1
+                 tail -1 "$out/presets/calibrate-$p-log.txt"
+                 timeout 200 python3 -m persistentkv.cli evaluate --preset "$p" \
+                   --policy "$out/presets/policy-$p.json" --samples 8 --out "$out/presets" \
+                   --tag "evaluate-$p" > "$out/presets/evaluate-$p-log.txt" 2>&1
+                 grep "x FI best" "$out/presets/evaluate-$p-log.txt"
+               done ;;
+    pages)     for ps in 1 64; do
+                 timeout 200 python3 -m persistentkv.cli bench --grid --page-size $ps \
+                   --cells "B1 L8K,B1 L32K,B8 L8K,B32 L1K,B16 mix" --backends pkv-auto,fi-tensor-core,fi-xqa \
+                   --out "$out" --tag "page$ps" > "$out/page$ps-log.txt" 2>&1; tail -1 "$out/page$ps-log.txt"
+               done ;;
+    e2e)       mkdir -p "$out/e2e"
+               for model in llama3-8b qwen2.5-7b; do
+                 timeout 600 python3 -m persistentkv.cli e2e --model $model --requests 32,128 \
+                   --mean-prompt 4096 --new-tokens 32 --profile --out "$out/e2e" --tag "e2e-$model" \
+                   > "$out/e2e/e2e-$model-log.txt" 2>&1; tail -3 "$out/e2e/e2e-$model-log.txt"
+               done ;;
     *)         echo "unknown step $step"; status=2 ;;
   esac
 done
