@@ -132,7 +132,8 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
                          f"candidate (pkv-grouped, pkv-split, pkv-balanced, pkv-split@N)")
     policy = fit_policy(steps, gpu=gpu, objective="eager_us" if functional else objective,
                         shape=(fitted.num_qo_heads, fitted.num_kv_heads, fitted.head_dim),
-                        page_size=fitted.page_size, info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
+                        page_size=fitted.page_size,
+                        info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(out_path)
     for key, choice in sorted(policy.table.items()):
