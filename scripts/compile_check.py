@@ -51,8 +51,10 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     src = ASTSource(paged_decode_kernel, signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if "pdl" in variants:   # as launch.py launches it: the option lands in the kernel's metadata
+        options["launch_pdl"] = True
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -93,7 +95,8 @@ def main():
                         help="group 4, d 128 with 2, 4, 8 and 16 query tokens per row")
     parser.add_argument("--variants", default="",
                         help="comma-separated kernel variants to compile in: window, soft_cap, "
-                             "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8)")
+                             "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8), pdl "
+                             "(programmatic dependent launch: griddepcontrol.wait first)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))

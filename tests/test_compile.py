@@ -25,3 +25,12 @@ def test_decode_kernel_compiles_for_sm90_without_spills_and_pipelined():
         # the K/V loads stay pipelined: a later tile is in flight while one is computed
         # (with the page-index load inside the tile's own iteration this fell to 0)
         assert int(re.search(r"deepest wait_group (\d+)", line).group(1)) >= 1, line
+
+
+def test_decode_kernel_with_pdl_compiles_with_the_same_resources():
+    """PDL adds one griddepcontrol.wait at the kernel's start: same registers and shared memory,
+    no spills."""
+    plain, pdl = _compile_check()[0], _compile_check("--variants", "pdl")[0]
+    assert "stack 0 B" in pdl and " pdl:" in pdl, pdl
+    resources = re.compile(r"(\d+) registers, stack \d+ B, (\d+) B shared")
+    assert resources.search(pdl).groups() == resources.search(plain).groups(), (plain, pdl)

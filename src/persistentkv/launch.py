@@ -10,6 +10,8 @@ addresses, and a call pays for one `data_ptr()` per leading tensor and the launc
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton import knobs
 
@@ -40,11 +42,15 @@ class Launcher:
         self.names = list(kernel.arg_names)
 
     def bind(self, *, grid: tuple[int, ...], key: tuple, fixed: tuple, constexprs: dict,
-             num_warps: int, num_stages: int, device_index: int) -> BoundLaunch:
+             num_warps: int, num_stages: int, device_index: int,
+             launch_pdl: bool = False) -> BoundLaunch:
         """A launch whose arguments after the leading tensors are `fixed` (tensors and scalars, in
-        signature order), followed by `constexprs`."""
+        signature order), followed by `constexprs`. launch_pdl: Triton's launch option for
+        programmatic dependent launch (the compiled kernel keeps it in its metadata, which the
+        direct call reads)."""
         return BoundLaunch(self, grid=grid, key=key, fixed=fixed, constexprs=constexprs,
-                           num_warps=num_warps, num_stages=num_stages, device_index=device_index)
+                           num_warps=num_warps, num_stages=num_stages, device_index=device_index,
+                           launch_pdl=launch_pdl)
 
 
 class BoundLaunch:
@@ -53,9 +59,11 @@ class BoundLaunch:
     data_ptr()s. The fixed tensors must outlive it (the caller holds them)."""
 
     def __init__(self, launcher: Launcher, *, grid, key, fixed, constexprs, num_warps, num_stages,
-                 device_index):
+                 device_index, launch_pdl: bool = False):
         self.launcher, self.key, self.fixed, self.constexprs = launcher, key, fixed, constexprs
         self.options = dict(num_warps=num_warps, num_stages=num_stages)
+        if launch_pdl:   # only when on: Triton's default otherwise
+            self.options["launch_pdl"] = True
         self.grid, self.device_index = grid, device_index
         self.interpreted = interpreting()
         self.trailing = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in fixed),
@@ -227,23 +235,40 @@ class DecodeLauncher:
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
             head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.tile_tokens(kv_fp8=fp8),
-            return_lse=return_lse, upcast=interpreting(),
+            return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(plan.config, q.device),
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None)
-        # Everything Triton specializes on: the constexprs, the dtypes, the strides (by value) and
-        # the 16-byte alignment of the pointers (workspace and fresh outputs come from torch's
-        # allocator, always aligned).
-        key = (tuple(constexprs.values()), q.dtype, strides, q.data_ptr() % 16, out_align,
+        # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
+        # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
+        # and fresh outputs come from torch's allocator, always aligned).
+        cfg = plan.config
+        key = (tuple(constexprs.values()), cfg.num_warps, cfg.num_stages, q.dtype, strides,
+               q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
                None if sinks is None else sinks.data_ptr() % 16,
                None if kv_scales is None else kv_scales.data_ptr() % 16)
         return self._launcher.bind(grid=(plan.programs,), key=key, fixed=fixed,
-                                   constexprs=constexprs, num_warps=plan.config.num_warps,
-                                   num_stages=plan.config.num_stages, device_index=q.device.index)
+                                   constexprs=constexprs, num_warps=cfg.num_warps,
+                                   num_stages=cfg.num_stages, device_index=q.device.index,
+                                   launch_pdl=constexprs["PDL"])
 
 
 LOG2_E = 1.4426950408889634
+
+
+def use_pdl(config, device: torch.device) -> bool:
+    """Whether the decode kernel is compiled and launched with programmatic dependent launch:
+    config.pdl, on a GPU of compute capability 9.0 or later (never under the interpreter, which
+    has no griddepcontrol and no launch_pdl)."""
+    return (config.pdl and not interpreting() and device.type == "cuda"
+            and _capability(device.index if device.index is not None
+                            else torch.cuda.current_device()) >= (9, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def cache_strides(k: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:

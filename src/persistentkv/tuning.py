@@ -22,7 +22,10 @@ class KernelConfig:
     (schedule.default_split_pages). Together (2 programs per SM, waves 2): one task per program on
     split steps, and four or more rounds of whole rows on large batches; measured best against 3
     programs per SM (which fit with 70 KB of shared memory each) on the H200 grid
-    (docs/perf-notes.md, v4).
+    (docs/perf-notes.md, v4). pdl: programmatic dependent launch (compute capability 9.0+; off
+    under the interpreter and on older GPUs): the kernel is launched so that it may start while the
+    kernel before it on the stream finishes, and waits for that kernel's writes (griddepcontrol.wait)
+    before its first load; off by default, measured by `persistentkv layer-chain`.
     """
 
     block_n: int = 64
@@ -33,6 +36,7 @@ class KernelConfig:
     min_split_tokens: int = 128
     programs_per_sm: int = 2
     one_round: bool = True
+    pdl: bool = False
 
     def tile_tokens(self, *, kv_fp8: bool) -> int:
         """Tokens per K/V tile for a cache of this kind."""
@@ -49,6 +53,8 @@ class KernelConfig:
                 continue
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"KernelConfig.pdl must be a bool, got {self.pdl!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 

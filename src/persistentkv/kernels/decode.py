@@ -313,7 +313,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                        TOKEN_SCALES: tl.constexpr):
+                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -331,7 +331,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     claim that draws the last value resets the counter for the next launch). counters: int32
     [task capacity, NUM_KV_HEADS], by partial slot (_merge_split), zero between launches (the
     merging tasks reset their own).
+    PDL (launched with programmatic dependent launch): the kernel may start before the one ahead
+    of it on the stream has finished; it waits for that kernel's writes first of all
+    (griddepcontrol.wait), so that every load, the task records' included, sees them.
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     programs = tl.num_programs(0)
     item = tl.program_id(0)
     kv_head = item % NUM_KV_HEADS
@@ -388,15 +393,17 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
                       return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
                       soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
-                      token_scales: bool = False) -> dict:
+                      token_scales: bool = False, pdl: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
-    kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head."""
+    kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head; pdl: the kernel
+    waits for the previous kernel's writes (launched with launch_pdl=True; compute capability
+    9.0+, never under the interpreter: launch.use_pdl decides)."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
                 G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
-                TOKEN_SCALES=token_scales)
+                TOKEN_SCALES=token_scales, PDL=pdl)
