@@ -207,6 +207,20 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_layer_chain(args: argparse.Namespace) -> int:
+    device = choose_device()
+    import torch
+
+    from .bench.layer_chain import run_layer_chain
+    from .bench.runner import ModelShape
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    shape = ModelShape.of(args.preset, page_size=args.page_size, dtype=dtype, layout=args.layout)
+    return run_layer_chain(device=torch.device(device), shape=shape, batch=args.batch,
+                           context=args.context, layers=args.layers, replays=args.replays,
+                           seed=args.seed, out_dir=Path(args.out), tag=args.tag)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="persistentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,7 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trace-file", help="replay your own trace (JSONL or CSV: context_len, "
                                             "output_len[, arrival_step])")
     bench.add_argument("--batch-slots", type=int, default=8, help="slots for --trace-file")
-    bench.add_argument("--backends", default=",".join(ALL_BACKENDS))
+    bench.add_argument("--backends", default=",".join(ALL_BACKENDS),
+                       help="comma-separated; ours take KernelConfig suffixes :warpsW, :stagesS, "
+                            ":ppsP, :wavesX, :oneround0|1, :minsplitT, :blocknN, :fp8blocknN, "
+                            ":pdl0|1, e.g. pkv-auto:pdl1")
     bench.add_argument("--layers", type=int, default=32, help="layers, each with its own pool")
     bench.add_argument("--samples", type=int, default=16, help="measured steps per trace")
     bench.add_argument("--memory-gb", type=float, default=60.0, help="budget for all layers' pools")
@@ -314,6 +331,29 @@ def build_parser() -> argparse.ArgumentParser:
                           "and batch; attention's share with --profile)")
     e2e.add_argument("--tag")
     e2e.set_defaults(func=cmd_e2e)
+
+    from .bench.runner import MODEL_PRESETS   # (no triton)
+
+    chain = sub.add_parser("layer-chain", help="one decode step through a chain of layers (qkv "
+                                               "matmul, K/V write, attention, o matmul, rmsnorm) "
+                                               "in a CUDA graph, programmatic dependent launch of "
+                                               "the decode kernel off against on (GPU; on the CPU "
+                                               "a tiny functional run)")
+    chain.add_argument("--preset", choices=list(MODEL_PRESETS), default="llama3-8b",
+                       help="heads and head dim; hidden = num_qo_heads x head_dim")
+    chain.add_argument("--batch", type=int, default=8, help="rows of the static batch")
+    chain.add_argument("--context", type=int, default=4096,
+                       help="tokens per row, the step's new token included")
+    chain.add_argument("--layers", type=int, default=32, help="layers, each with its own pool")
+    chain.add_argument("--replays", type=int, default=20,
+                       help="timed replays of each graph (median), after warm-up")
+    chain.add_argument("--page-size", type=int, default=16)
+    chain.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    chain.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    chain.add_argument("--seed", type=int, default=0)
+    chain.add_argument("--out", default="results", help="folder for the JSON and CSV files")
+    chain.add_argument("--tag", help="file name stem (default: pdl; pdl-functional on the CPU)")
+    chain.set_defaults(func=cmd_layer_chain)
 
     report = sub.add_parser("report", help="PNG plots from results JSON files")
     report.add_argument("results", nargs="+")

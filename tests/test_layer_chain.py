@@ -1,0 +1,48 @@
+"""Programmatic dependent launch (KernelConfig.pdl) and `persistentkv layer-chain`."""
+import json
+
+import pytest
+
+from paged_case import ON_GPU
+from persistentkv.bench.backends import _pkv_variant, make_backends
+from persistentkv.cli import main
+from persistentkv.tuning import KernelConfig
+
+
+def test_pdl_must_be_a_bool():
+    assert KernelConfig().pdl is False and KernelConfig(pdl=True).pdl is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=f"KernelConfig.pdl must be a bool, got {bad!r}"):
+            KernelConfig(pdl=bad)
+
+
+def test_pdl_suffix_parses():
+    assert _pkv_variant("pkv-auto:pdl1") == ("auto", None, {"pdl": True})
+    assert _pkv_variant("pkv-split@16:warps8:pdl0") == ("split", 16, {"num_warps": 8, "pdl": False})
+    assert _pkv_variant("pkv-auto:pdl2") is None and _pkv_variant("pkv-auto:pdl") is None
+    import torch
+
+    backends, _ = make_backends(["pkv-auto:pdl1"], layout="HND", device=torch.device("cpu"))
+    assert backends[0].name == "pkv-auto:pdl1"
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the command runs the full 32-layer chain: too long "
+                                   "for a test")
+def test_functional_layer_chain_writes_checked_results(tmp_path, capsys):
+    assert main(["layer-chain", "--out", str(tmp_path)]) == 0
+    assert "timings mean nothing" in capsys.readouterr().out
+    data = json.loads((tmp_path / "pdl-functional.json").read_text())
+    assert data["environment"]["functional_only"]
+    rows = {r["setting"]: r for r in data["summary"]}
+    assert set(rows) == {"pdl0", "pdl1"}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["layer0_error"] <= 2e-3 and r["max_layer_error"] <= 2e-3
+        assert r["pdl_effective"] is False           # the interpreter has no PDL
+        assert r["chain_bitwise_equal_pdl0"] and r["layers"] == 2
+    assert rows["pdl1"]["backend"] == "pkv-auto:pdl1"
+    assert (tmp_path / "pdl-functional.csv").read_text().startswith("case,")
+
+
+def test_layer_chain_refuses_bad_options(tmp_path, capsys):
+    assert main(["layer-chain", "--out", str(tmp_path), "--layers", "0"]) == 2
+    assert "layers must be a positive int, got 0" in capsys.readouterr().err
