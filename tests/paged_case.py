@@ -58,6 +58,16 @@ def draw_case(draw, seq_lens, *, groups):
     return case, heads, backend
 
 
+def queries(case: Case, q_lens, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several query tokens per row: q [sum(q_lens), Hq, D] of unit variance (drawn from `seed`)
+    and qo_indptr int32 [B+1] on the host."""
+    gen = torch.Generator().manual_seed(seed)
+    total, (_, heads, dim) = sum(q_lens), case.q.shape
+    q = torch.randn(total, heads, dim, generator=gen).to(case.q.dtype).to(DEVICE)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    return q, indptr
+
+
 def csr_kwargs(table: PageTable, device=DEVICE) -> dict:
     indptr, indices, last = table.csr(device)
     return dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)

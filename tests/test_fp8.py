@@ -4,13 +4,12 @@ for; quantization on append (saturating, per-token scales that never rescale ear
 and the errors for missing or bad scales."""
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, draw_case, make_case
+from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, draw_case, make_case, queries
 from persistentkv import (BACKENDS, TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode,
                           relative_error)
 from persistentkv.quant import FP8, FP8_MAX, quantize, row_scales
@@ -41,11 +40,7 @@ def _check(case, granularity, *, backend, table_form="csr", split_pages=None, q_
     fp8 values, error against the fp16 original)."""
     pool8, scales = fp8_pool(case.kv_cache, case.layout, granularity)
     kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
-    q, qo_indptr = case.q, None
-    if q_lens is not None:
-        gen = torch.Generator().manual_seed(seed)
-        q = torch.randn(sum(q_lens), *case.q.shape[1:], generator=gen).to(case.q.dtype).to(DEVICE)
-        qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    q, qo_indptr = (case.q, None) if q_lens is None else queries(case, q_lens, seed)
     wrapper = DecodeWrapper(case.layout, **(wrapper_kwargs or {}))
     wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr,
                  deterministic=deterministic, **(variants or {}))

@@ -6,24 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case
+from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case, queries
 from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
 
-def _queries(case, q_lens, seed):
-    """q [sum(q_lens), Hq, D], unit variance, and qo_indptr int32 [B+1] on the host."""
-    gen = torch.Generator().manual_seed(seed)
-    total, (_, heads, dim) = sum(q_lens), case.q.shape
-    q = torch.randn(total, heads, dim, generator=gen).to(case.q.dtype).to(DEVICE)
-    indptr = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
-    return q, indptr
-
-
 def _check(case, q_lens, *, backend, table_form="csr", split_pages=None, seed=0, heads=HEADS):
     kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
-    q, qo_indptr = _queries(case, q_lens, seed)
+    q, qo_indptr = queries(case, q_lens, seed)
     wrapper = DecodeWrapper(case.layout)
     wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr)
     out = torch.full_like(q, float("nan"))
@@ -50,7 +41,7 @@ def test_queries_past_a_short_last_split():
 
 def test_one_query_per_row_is_plain_decode():
     case = make_case(seq_lens=[40, 3, 90], **HEADS, seed=3)
-    q, qo_indptr = _queries(case, [1, 1, 1], 3)
+    q, qo_indptr = queries(case, [1, 1, 1], 3)
     wrapper = DecodeWrapper(case.layout)
     wrapper.plan(**csr_kwargs(case.table), **HEADS, qo_indptr=qo_indptr)
     with_indptr = wrapper.run(q, case.kv_cache)
@@ -105,10 +96,10 @@ def test_qo_indptr_dtype_and_q_total():
         wrapper.run(case.q, case.kv_cache)
 
 
-def test_torch_compile_with_queries():
+def test_torch_compile_withqueries():
     """run() under torch.compile(fullgraph=True) takes the same query layout."""
     case = make_case(seq_lens=[40, 70], **HEADS, seed=5)
-    q, qo_indptr = _queries(case, [3, 2], 5)
+    q, qo_indptr = queries(case, [3, 2], 5)
     wrapper = DecodeWrapper(case.layout)
     wrapper.plan(**csr_kwargs(case.table), **HEADS, backend="split", split_pages=1,
                  qo_indptr=qo_indptr)
@@ -226,7 +217,7 @@ def test_deterministic_queries_are_batch_invariant():
 
     case = make_case(seq_lens=[300, 40, 700], **HEADS, seed=9)
     counts = [3, 2, 5]
-    q, qo_indptr = _queries(case, counts, 9)
+    q, qo_indptr = queries(case, counts, 9)
     with pytest.raises(ValueError, match="deterministic=True with qo_indptr needs a tile"):
         DecodeWrapper(case.layout).plan(**csr_kwargs(case.table), **HEADS, deterministic=True,
                                         qo_indptr=qo_indptr)

@@ -2,13 +2,12 @@
 sink logit per head (sinks), alone and together, in every schedule and table form, with several
 query tokens per row, against the float64 reference with the same formula; the window reads only
 its pages; and the errors for bad variant arguments."""
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, draw_case, make_case
+from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, draw_case, make_case, queries
 from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
@@ -29,11 +28,7 @@ def _check(case, *, backend, window_left=-1, logits_soft_cap=0.0, sinks=False, q
     """Plan and run with the variants (out poisoned with NaN first); compare out and lse with the
     reference. Returns the wrapper."""
     kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
-    q, qo_indptr = case.q, None
-    if q_lens is not None:
-        gen = torch.Generator().manual_seed(seed)
-        q = torch.randn(sum(q_lens), *case.q.shape[1:], generator=gen).to(case.q.dtype).to(DEVICE)
-        qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    q, qo_indptr = (case.q, None) if q_lens is None else queries(case, q_lens, seed)
     sink_logits = _sinks(heads["num_qo_heads"], seed) if sinks else None
     wrapper = DecodeWrapper(case.layout, **wrapper_kwargs)
     wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr,

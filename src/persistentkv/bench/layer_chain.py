@@ -213,10 +213,10 @@ def run_layer_chain(*, device: torch.device, shape: ModelShape, batch: int = 8,
                 times[at].append((time.perf_counter() - t0) * 1e6)
         again = [run["body"] for run in runs]
     else:
-        from .measure import capture_graph
+        from .measure import capture_graph, replay_times
 
         graphs = [capture_graph(run["body"]) for run in runs]
-        times = _replay_times(graphs, reps=replays, warmup=3)
+        times = replay_times(graphs, reps=replays, warmup=3)
         again = [graph.replay for graph in graphs]
 
     failures = []
@@ -280,24 +280,6 @@ def run_layer_chain(*, device: torch.device, shape: ModelShape, batch: int = 8,
     for line in failures:
         print(f"FAILED: {line}")
     return 1 if failures else 0
-
-
-def _replay_times(graphs: list, *, reps: int, warmup: int) -> list[list[float]]:
-    """Device time (us) of each replay of each graph, from CUDA events around it; the graphs take
-    turns (ABAB, round r starting at graph r mod len(graphs)), so that a drift of the clocks
-    falls on both alike."""
-    times = [[] for _ in graphs]
-    for r in range(warmup + reps):
-        for i in range(len(graphs)):
-            at = (r + i) % len(graphs)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs[at].replay()
-            end.record()
-            end.synchronize()
-            if r >= warmup:
-                times[at].append(start.elapsed_time(end) * 1e3)
-    return times
 
 
 def _print_table(summary: list[dict], *, title: str, functional: bool) -> None:

@@ -157,8 +157,15 @@ def capture_graph(body) -> torch.cuda.CUDAGraph:
 
 
 def replay_medians(graphs: list[torch.cuda.CUDAGraph], *, reps: int, warmup: int = 2) -> list[float]:
-    """Median device time (us) of one replay of each graph, timed with CUDA events around each
-    replay; the graphs take turns, round r starting at graph r mod len(graphs)."""
+    """Median device time (us) of one replay of each graph (replay_times)."""
+    return [statistics.median(t) for t in replay_times(graphs, reps=reps, warmup=warmup)]
+
+
+def replay_times(graphs: list[torch.cuda.CUDAGraph], *, reps: int,
+                 warmup: int = 2) -> list[list[float]]:
+    """Device time (us) of each of `reps` replays of each graph after `warmup` rounds, timed with
+    CUDA events around each replay; the graphs take turns, round r starting at graph r mod
+    len(graphs), so that a drift of the clocks falls on all alike."""
     times = [[] for _ in graphs]
     for r in range(warmup + reps):
         for i in range(len(graphs)):
@@ -170,7 +177,7 @@ def replay_medians(graphs: list[torch.cuda.CUDAGraph], *, reps: int, warmup: int
             end.synchronize()
             if r >= warmup:
                 times[at].append(start.elapsed_time(end) * 1e3)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def graph_replay_us(body, *, reps: int) -> float:
