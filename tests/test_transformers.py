@@ -9,22 +9,57 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
 
 from paged_case import DEVICE, ON_GPU
-from persistentkv.integrations.transformers import NAME, paged_attention_forward, register, split_step
+from persistentkv.integrations.transformers import (NAME, attend, paged_attention_forward, register,
+                                                    ring_pages, split_step)
 from persistentkv.wrapper import DecodeWrapper
 
 
-def test_split_step_keeps_long_prefills_for_sdpa():
+def test_split_step_keeps_long_prefills_for_torch():
     """Of a step with a request of 37 queries over 45 tokens, a decode token over 10 and a
-    request of 3 queries over 7 (block 4): the first is a prefill, the others decode rows, their
-    queries at positions 37 and 38-40 of the step."""
+    request of 3 queries over 7 (block 4): the first is gathered, the others are decode rows,
+    their queries at positions 37 and 38-40 of the step."""
     cu_q = np.array([0, 37, 38, 41])
     cu_k = np.array([0, 45, 55, 62])
-    slots = np.concatenate([np.arange(100, 145), np.arange(8, 18), np.arange(40, 47)])
-    table, seq_lens, qo_indptr, decode_q, prefills = split_step(cu_q, cu_k, slots, block_size=4)
-    assert prefills == [(0, 37, 0, 45)]
-    assert seq_lens.tolist() == [10, 7] and qo_indptr.tolist() == [0, 1, 4]
-    assert decode_q.tolist() == [37, 38, 39, 40]
-    assert table[0, :3].tolist() == [2, 3, 4] and table[1, :2].tolist() == [10, 11]
+    reads = np.concatenate([np.arange(100, 145), np.arange(8, 18), np.arange(40, 47)])
+    writes = np.concatenate([np.arange(108, 145), [17], [44, 45, 46]])
+    rows = split_step(cu_q, cu_k, reads, writes, block_size=4)
+    assert rows.gathers == [(0, 37, 0, 8)]              # 8 cached tokens, then the 37 new ones
+    assert rows.seq_lens.tolist() == [10, 7] and rows.qo_indptr.tolist() == [0, 1, 4]
+    assert rows.decode_queries.tolist() == [37, 38, 39, 40]
+    assert rows.block_table[0, :3].tolist() == [2, 3, 4]
+    assert rows.block_table[1, :2].tolist() == [10, 11]
+
+
+def test_split_step_of_a_window_group_reads_each_ring():
+    """A window of 6 tokens in blocks of 4: each request's ring is 6 slots over blocks [b0, b1]
+    (b1 half used). A decode token whose ring has wrapped (past 10: the reads start at ring
+    position 5) is a row over both pages, the full one first; a decode token whose ring has not
+    (past 2) a row of 3 tokens; two queries in a window are gathered, as are fresh prompts."""
+    sentinel = 65
+    cu_q = np.array([0, 1, 2, 4])
+    cu_k = np.array([0, 6, 9, 15])
+    reads = np.array([5, 0, 1, 2, 3, sentinel,      # past 10, ring blocks [0, 1]: positions 5, 0-3
+                      20, 21, sentinel,             # past 2, ring block [5]
+                      9, 10, 11, 28, sentinel, sentinel])   # past 4 of blocks [2, 7], 2 queries
+    writes = np.array([4, 22, 29, 30])
+    rows = split_step(cu_q, cu_k, reads, writes, block_size=4, window=6)
+    assert rows.seq_lens.tolist() == [6, 3] and rows.qo_indptr.tolist() == [0, 1, 2]
+    assert rows.block_table.tolist() == [[0, 1], [5, 0]]
+    assert rows.gathers == [(2, 4, 9, 13)]
+    fresh = split_step(np.array([0, 1, 9]), np.array([0, 1, 9]), np.zeros(0, np.int64),
+                       np.array([40, 68, 68, 0, 1, 2, 3, 4, 5]), block_size=4, window=6)
+    assert fresh.seq_lens.tolist() == [1] and fresh.block_table.tolist() == [[10]]
+    assert fresh.gathers == [(1, 9, 0, 0)]
+
+
+@pytest.mark.parametrize("slots, pages", [
+    ([5, 0, 1, 2, 3, 4], [0, 1]), ([8, 9, 10], [2]), ([4, 5, 6, 7, 0, 1, 2, 3], [0, 1]),
+    ([0, 1, 4, 5], None),           # two pages partly filled
+    ([0, 2, 3, 4, 5, 6, 7], None),  # a hole at offset 1
+    ([0, 1, 1], None)])             # a slot twice
+def test_ring_pages(slots, pages):
+    got = ring_pages(np.array(slots), 4)
+    assert (got is None) if pages is None else got.tolist() == pages
 
 
 def test_generate_batch_matches_paged_sdpa():
@@ -70,9 +105,108 @@ def test_generate_batch_matches_paged_sdpa():
     assert max(kernel_runs) <= 16, kernel_runs          # prefills of 20 and 38 tokens went to sdpa
 
 
+def _tiny_model(arch: str, **config):
+    """A tiny random model of arch, a window layer then a full one (window 6; the same weights
+    for the same arch): gpt-oss with sinks, Gemma-2 with a soft-cap of 2, Gemma-3. Its q and k
+    projections are scaled up so that the scores are large enough for each variant to change
+    the greedy tokens (the tests check that it does)."""
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                              Gemma3TextConfig, GptOssConfig, GptOssForCausalLM)
+
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                 max_position_embeddings=512)
+    if arch == "gpt-oss":
+        cls, scale, kind = GptOssForCausalLM, 4.0, GptOssConfig
+        shape.update(num_local_experts=4, num_experts_per_tok=2,
+                     layer_types=["sliding_attention", "full_attention"])
+    elif arch == "gemma2":
+        cls, scale, kind = Gemma2ForCausalLM, 16.0, Gemma2Config
+        shape.update(attn_logit_softcapping=2.0)
+    else:
+        cls, scale, kind = Gemma3ForCausalLM, 4.0, Gemma3TextConfig
+        shape.update(sliding_window_pattern=2)
+    torch.manual_seed(0)
+    model = cls(kind(**{**shape, **config})).to(torch.float16).eval()
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(("q_proj", "k_proj")):
+                module.weight.mul_(scale)
+            if hasattr(module, "sinks"):
+                module.sinks.normal_(0.0, 2.0)
+    return model
+
+
+def _eager_tokens(model, prompts, gen):
+    """Greedy tokens of transformers' own (not paged) eager attention, a request at a time."""
+    model.set_attn_implementation("eager")
+    return [model.generate(torch.tensor([p]), generation_config=gen)[0, len(p):].tolist()
+            for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma2", "gemma3"])
+def test_generate_batch_serves_windows_sinks_and_soft_cap(arch):
+    """Models with window layers (a ring of 6 slots over blocks of 4, which wraps), gpt-oss's
+    sinks and Gemma-2's soft-cap give the greedy tokens of transformers' own eager attention
+    (which applies all three), for prompts shorter and longer than the window and than 16
+    tokens; the same model without its variant gives other tokens. Both layers' decode steps
+    run through the kernel. (transformers' paged|sdpa ignores sinks and soft-cap, and refuses
+    gpt-oss; its paged|eager ignores soft-cap.)"""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = [[1, 5, 9, 3, 7], list(range(2, 40)), [4, 4, 8], list(range(60, 80)), [9]]
+    model = _tiny_model(arch)
+    reference = _eager_tokens(model, prompts, gen)
+    if arch == "gpt-oss":
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "sinks"):
+                    module.sinks.fill_(-1e4)
+        assert _eager_tokens(model, prompts, gen) != reference      # the sinks matter
+        model = _tiny_model(arch)
+    without = {"gemma2": dict(attn_logit_softcapping=None), "gemma3": dict(sliding_window=512),
+               "gpt-oss": dict(sliding_window=512)}[arch]
+    assert _eager_tokens(_tiny_model(arch, **without), prompts, gen) != reference
+    model.to(DEVICE)
+    runs = {}
+    decode_run = DecodeWrapper.run
+
+    def counted_run(self, q, *args, **kwargs):
+        runs[id(self)] = runs.get(id(self), 0) + 1
+        return decode_run(self, q, *args, **kwargs)
+
+    model.set_attn_implementation(register())
+    cb = ContinuousBatchingConfig(use_cuda_graph=False, num_blocks=32, max_batch_tokens=64,
+                                  block_size=4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeWrapper, "run", counted_run)
+        out = model.generate_batch(prompts, generation_config=gen, progress_bar=False,
+                                   warmup=False, continuous_batching_config=cb)
+    tokens = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert tokens == reference
+    assert len(runs) == 2 and min(runs.values()) >= 9, runs     # both groups, every decode step
+
+
 def test_outside_continuous_batching_is_refused():
     with pytest.raises(ValueError, match="runs inside continuous batching"):
         paged_attention_forward(torch.nn.Module(), torch.zeros(1, 2, 1, 16), None, None, None)
+
+
+def test_e2e_model_shapes():
+    """Each model of `persistentkv e2e` is built as named (on the meta device: no memory)."""
+    from persistentkv.bench.e2e import MODELS, build_model
+
+    shapes = {}
+    for name in MODELS:
+        config = build_model(name, device=torch.device("meta"), dtype=torch.bfloat16).config
+        shapes[name] = (config.num_hidden_layers, config.num_attention_heads,
+                        config.num_key_value_heads, config.head_dim)
+    assert shapes["llama3-8b"] == (32, 32, 8, 128) and shapes["qwen2.5-7b"] == (28, 28, 4, 128)
+    assert shapes["gpt-oss-20b"] == (24, 64, 8, 64) and shapes["tiny"] == (2, 8, 2, 16)
+    config = build_model("gpt-oss-20b", device=torch.device("meta"), dtype=torch.bfloat16).config
+    assert config.sliding_window == 128 and config.layer_types[:2] == ["sliding_attention",
+                                                                       "full_attention"]
 
 
 def test_e2e_agreement_and_prompts():
@@ -224,24 +358,29 @@ def test_e2e_profiled_run_of_a_tiny_model(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1024
 
 
-@pytest.mark.parametrize("n_q, n_k", [(18, 23), (19, 19)])
-def test_prefill_rows_against_float64(n_q, n_k):
-    """A prefill row (a chunk whose queries end at its last token, or a whole prompt) through
-    torch's sdpa on its tokens gathered from scattered cache slots, against float64."""
-    from persistentkv.integrations.transformers import _prefill
-
-    gen = torch.Generator().manual_seed(n_q)
-    k_cache, v_cache = (torch.randn(64, 2, 16, generator=gen) for _ in range(2))
-    slots = torch.randperm(64, generator=gen)[:n_k]
-    q = torch.randn(n_q, 4, 16, generator=gen)
-    out = _prefill(q, k_cache, v_cache, slots, 0.25)
-    k, v = k_cache[slots].double(), v_cache[slots].double()          # [n_k, Hkv, D]
+@pytest.mark.parametrize("n_q, n_k, window, sinks, soft_cap", [
+    (18, 23, None, False, 0.0), (19, 19, None, False, 0.0),   # a chunk; a whole prompt (sdpa)
+    (18, 23, 7, False, 0.0), (19, 19, 5, True, 0.0),          # windows (sdpa; the float32 path)
+    (18, 23, None, True, 1.5), (1, 9, 4, True, 0.5)])         # sinks and soft-cap
+def test_attend_against_float64(n_q, n_k, window, sinks, soft_cap):
+    """A request attended with torch (its queries the last n_q of its n_k tokens, causal; in a
+    window, with sinks, soft-capped), against float64."""
+    gen = torch.Generator().manual_seed(n_q + n_k)
+    k, v = (torch.randn(n_k, 2, 16, generator=gen) for _ in range(2))
+    q = 2 * torch.randn(n_q, 4, 16, generator=gen)
+    sink = 2 * torch.randn(4, generator=gen) if sinks else None
+    out = attend(q, k, v, scale=0.25, window=window, sinks=sink, soft_cap=soft_cap)
     ref = torch.empty(n_q, 4, 16, dtype=torch.float64)
     for i in range(n_q):
-        seen = n_k - n_q + i + 1
+        pos = n_k - n_q + i
+        lo = 0 if window is None else max(0, pos - window + 1)
         for h in range(4):
-            p = torch.softmax(0.25 * k[:seen, h // 2] @ q[i, h].double(), dim=0)
-            ref[i, h] = p @ v[:seen, h // 2]
+            s = 0.25 * k[lo:pos + 1, h // 2].double() @ q[i, h].double()
+            if soft_cap:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            e = torch.exp(s - s.max())
+            denom = e.sum() + (torch.exp(sink[h].double() - s.max()) if sinks else 0)
+            ref[i, h] = (e / denom) @ v[lo:pos + 1, h // 2].double()
     assert torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref) < 1e-5
 
 

@@ -195,10 +195,11 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     device = choose_device()
     import torch
 
-    from .bench.e2e import run_e2e
+    from .bench.e2e import REFERENCE, run_e2e
 
     model = args.model or ("llama3-8b" if device == "cuda" else "tiny")
-    impls = args.impls or ("paged|sdpa,paged|persistentkv" if device == "cuda"
+    reference = REFERENCE.get(model, "paged|sdpa")
+    impls = args.impls or (f"{reference},paged|persistentkv" if device == "cuda"
                            else "paged|sdpa,paged|eager,paged|persistentkv")
     run_e2e(model_name=model, requests=_ints(args.requests), mean_prompt=args.mean_prompt,
             new_tokens=args.new_tokens, impls=impls.split(","), device=torch.device(device),
@@ -309,15 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     e2e = sub.add_parser("e2e", help="a random-weight model in transformers' continuous batching, "
                                      "paged|persistentkv against transformers' paged attention")
-    e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "tiny"],
+    e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "gpt-oss-20b", "tiny"],
                      help="default: llama3-8b on a GPU, tiny on the CPU")
     e2e.add_argument("--requests", default="8,32,128", help="concurrent requests per run")
     e2e.add_argument("--mean-prompt", type=int, default=4096, help="mean prompt tokens")
     e2e.add_argument("--new-tokens", type=int, default=64)
     e2e.add_argument("--impls",
                      help="attention implementations; the first is the reference (default: "
-                          "paged|sdpa,paged|persistentkv on a GPU; on the CPU paged|eager too, the "
-                          "control: two correct implementations' difference)")
+                          "paged|sdpa,paged|persistentkv on a GPU, paged|eager first for "
+                          "gpt-oss-20b, which paged|sdpa refuses; on the CPU paged|sdpa, "
+                          "paged|eager, the control: two correct implementations' difference, "
+                          "and paged|persistentkv)")
     e2e.add_argument("--no-teacher-forced", action="store_true",
                      help="skip the teacher-forced scoring (one more prefill per implementation "
                           "and batch: the reference's tokens through each)")

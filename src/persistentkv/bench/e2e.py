@@ -2,8 +2,9 @@
 "paged|persistentkv" against transformers' own paged attention implementations.
 
 The model is built from a config with random weights (no downloads): a Llama-3-8B shape, a
-Qwen2.5-7B shape, or (the default without a GPU) a tiny Llama that runs through Triton's
-interpreter. Requests get random prompts of mixed lengths (uniform in [mean / 4, 7 mean / 4])
+Qwen2.5-7B shape, a gpt-oss-20b shape (window layers of 128 tokens between full ones, attention
+sinks, 32 experts; transformers' paged|sdpa refuses it, so paged|eager is its reference), or
+(the default without a GPU) a tiny Llama that runs through Triton's interpreter. Requests get random prompts of mixed lengths (uniform in [mean / 4, 7 mean / 4])
 and generate greedily.
 
 Timing. Before its first timed run each implementation runs once untimed (the first batch's
@@ -68,11 +69,24 @@ import torch
 
 from .results import environment
 
-MODELS = {   # (layers, hidden, intermediate, Hq, Hkv, head_dim, vocab)
-    "llama3-8b": ("llama", 32, 4096, 14336, 32, 8, 128, 128256),
-    "qwen2.5-7b": ("qwen2", 28, 3584, 18944, 28, 4, 128, 152064),
-    "tiny": ("llama", 2, 128, 256, 8, 2, 16, 128),
+def _shape(layers, hidden, inter, hq, hkv, dim, vocab, **extra) -> dict:
+    return dict(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
+                num_attention_heads=hq, num_key_value_heads=hkv, head_dim=dim, vocab_size=vocab,
+                **extra)
+
+
+MODELS = {   # name: (transformers config class, its arguments)
+    "llama3-8b": ("LlamaConfig", _shape(32, 4096, 14336, 32, 8, 128, 128256)),
+    "qwen2.5-7b": ("Qwen2Config", _shape(28, 3584, 18944, 28, 4, 128, 152064)),
+    # window layers (128 tokens) alternate with full ones; sinks on every layer; 32 experts
+    "gpt-oss-20b": ("GptOssConfig", _shape(24, 2880, 2880, 64, 8, 64, 201088,
+                                           num_local_experts=32, num_experts_per_tok=4,
+                                           max_position_embeddings=131072)),
+    "tiny": ("LlamaConfig", _shape(2, 128, 256, 8, 2, 16, 128)),
 }
+# the first implementation of a run (its reference) when --impls is not given: transformers'
+# paged|sdpa, or paged|eager where paged|sdpa refuses the model (gpt-oss, for its sinks)
+REFERENCE = {"gpt-oss-20b": "paged|eager"}
 AGREEMENT_TOKENS = 32
 WARMUP_TOKENS = 2
 PROFILE_TOKENS = 8   # new tokens of the profiled run (at most --new-tokens)
@@ -88,15 +102,13 @@ def transformers_version() -> str:
 
 def build_model(name: str, *, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """A random-weight causal LM of the named shape."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     if name not in MODELS:
         raise ValueError(f"model must be one of {list(MODELS)}, got {name!r}")
-    family, layers, hidden, inter, hq, hkv, dim, vocab = MODELS[name]
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
-    config = config_cls(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
-                        num_attention_heads=hq, num_key_value_heads=hkv, head_dim=dim,
-                        vocab_size=vocab, max_position_embeddings=32768)
+    config_cls, shape = MODELS[name]
+    config = getattr(transformers, config_cls)(**{"max_position_embeddings": 32768, **shape})
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

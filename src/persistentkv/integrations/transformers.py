@@ -6,25 +6,37 @@
     outputs = model.generate_batch(prompts, generation_config=...)
 
 transformers' paged cache is read in place: each layer's key_cache / value_cache
-[pages x block_size, Hkv, D] is a (k, v) pair of NHD pools [pages, block_size, Hkv, D]. Each
-forward pass (one continuous-batching step) is planned once, at its first layer, from the
-step's cu_seq_lens_q / cu_seq_lens_k and the read (or, for a step of fresh prompts, write)
-indices transformers computed for its own path; the new tokens' K/V are written where
-transformers would write them. A request of at most 16 query tokens this step (a decode token,
-or a few speculative ones) is a row of the decode kernel; a longer one (a prompt or a prefill
-chunk) goes to torch's scaled_dot_product_attention on its own tokens, gathered from the cache,
-causal with its queries aligned to the end (the prefill is not this kernel's work). The plan
-reads the step's lengths on the host once (one synchronization per step, not per layer).
+[pages x block_size, Hkv, D] is a (k, v) pair of NHD pools [pages, block_size, Hkv, D]. The
+cache groups layers by attention type, each group with its own blocks. Each forward pass (one
+continuous-batching step) is planned once per group, at the step's first layer, from its
+cu_seq_lens_q / cu_seq_lens_k and the read and write indices transformers computed for its own
+path (one host read for the whole step); the new tokens' K/V are written where transformers
+would write them.
 
-Full-attention layers only (Llama, Qwen2, Mistral without a window); a model with sliding-window
-layers or attention sinks is refused with a ValueError. The model's dtype must be float16 or
-bfloat16. The host read of each step does not go into a CUDA graph; transformers 5.17 turns its
-graphs on by default only for flash-attention implementations (by name), so generate_batch's
-defaults run without them, and a capture asked for (ContinuousBatchingConfig(use_cuda_graph=True))
-is refused with a ValueError that says so. Requires transformers 5.17
-(`pip install "persistentkv[transformers]"`).
+Which request goes where, per layer group:
+  * full attention: a request of at most 16 query tokens this step (a decode token, or a few
+    speculative ones) is a row of the decode kernel;
+  * sliding window (transformers keeps each request's last `sliding_window` tokens in a ring of
+    slots, which wraps): a request of one query token is a row of the decode kernel over its ring,
+    whose slots after the write hold exactly the tokens in its window (the softmax does not depend
+    on their order);
+  * every other request (a prompt, a prefill chunk, several queries in a window layer) is
+    attended with torch on its tokens: the cached ones gathered from the cache before the write
+    (a ring slot may be overwritten by it), then the step's new ones, causal with the queries at
+    the end, inside the window where there is one. Not this kernel's work.
+Attention sinks (gpt-oss's `s_aux`, one logit per head) and logit soft-capping (Gemma-2's
+`softcap`) go to the kernel and to the torch path alike. The model's dtype must be float16 or
+bfloat16.
+
+The host read of each step does not go into a CUDA graph; transformers 5.17 turns its graphs on
+by default only for flash-attention implementations (by name), so generate_batch's defaults run
+without them, and a capture asked for (ContinuousBatchingConfig(use_cuda_graph=True)) is refused
+with a ValueError that says so. Requires transformers 5.17 (`pip install
+"persistentkv[transformers]"`).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -33,6 +45,7 @@ from ..queries import MAX_QUERIES_PER_ROW
 from ..wrapper import DecodeWrapper
 
 NAME = "paged|persistentkv"
+GATHER_SCORES = 1 << 26   # the torch path's float32 scores per chunk of queries (256 MB)
 
 
 def register() -> str:
@@ -43,128 +56,220 @@ def register() -> str:
     return NAME
 
 
-class _StepPlan:
-    """One continuous-batching cache's wrapper and the last step it planned: `rows` decode rows
-    with `rows_q` queries, at positions `decode_index` of the step's queries (None: its first
-    rows_q), and `prefills`, (q_lo, q_hi, k_lo, k_hi) per prefill request."""
+class StepRows:
+    """One layer group's share of a step. The decode kernel's rows: block_table int32 [R, max
+    pages], seq_lens int32 [R], qo_indptr int32 [R + 1] and decode_queries int64 [qo_indptr[-1]]
+    (each row's queries' positions in the step). gathers: (q_lo, q_hi, c_lo, c_hi) per request
+    attended with torch: its queries q[q_lo:q_hi] (also its new tokens' K/V) and its cached
+    tokens, the read slots reads[c_lo:c_hi], which come before them."""
 
-    def __init__(self):
-        self.wrapper = DecodeWrapper("NHD")
-        self.rows, self.rows_q, self.decode_index, self.prefills = 0, 0, None, []
+    def __init__(self, block_table, seq_lens, qo_indptr, decode_queries, gathers):
+        self.block_table, self.seq_lens, self.qo_indptr = block_table, seq_lens, qo_indptr
+        self.decode_queries, self.gathers = decode_queries, gathers
 
 
-def split_step(cu_q: np.ndarray, cu_k: np.ndarray, slots: np.ndarray, block_size: int,
-               max_queries: int = MAX_QUERIES_PER_ROW):
-    """The step's requests, split. Request b's q rows cu_q[b]:cu_q[b+1] are the last tokens of its
-    cu_k[b+1] - cu_k[b]; slots[cu_k[b] + t] is the cache slot of its token t (its page: slot //
-    block_size). A request of at most max_queries queries is a decode row; the others are
-    prefills. Returns (block_table int32 [R, max pages], seq_lens int32 [R], qo_indptr int32
-    [R + 1], decode_queries int64 [qo_indptr[-1]]: each row's queries' positions in the step,
-    prefills: [(q_lo, q_hi, k_lo, k_hi)])."""
-    rows_pages, seq_lens, counts, queries, prefills = [], [], [], [], []
+def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np.ndarray,
+               block_size: int, *, window: int | None = None,
+               max_queries: int = MAX_QUERIES_PER_ROW) -> StepRows:
+    """A step's requests for one layer group, split into decode rows and gathers.
+
+    Request b's queries are q[cu_q[b]:cu_q[b+1]], its new tokens, written to the slots
+    writes[cu_q[b]:cu_q[b+1]]. Its reads[cu_k[b]:cu_k[b+1]] are the slots of every token it
+    attends to, in order, the new ones last (slot // block_size is the page); an empty `reads`
+    means a step of fresh prompts only (nothing cached). window: the group's sliding window
+    (its reads then hold at most window - 1 cached tokens and a placeholder per new one), None
+    for full attention."""
+    pages_of, lens, counts, queries, gathers = [], [], [], [], []
     for b in range(len(cu_q) - 1):
-        q_lo, q_hi, k_lo, k_hi = (int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1]))
-        if q_hi - q_lo > max_queries:
-            prefills.append((q_lo, q_hi, k_lo, k_hi))
+        q_lo, q_hi = int(cu_q[b]), int(cu_q[b + 1])
+        k_lo, k_hi = int(cu_k[b]), int(cu_k[b + 1])
+        n_q = q_hi - q_lo
+        cached = (k_lo, k_hi - n_q) if len(reads) else (0, 0)
+        pages = None
+        if window is None and n_q <= max_queries:
+            slots = reads[k_lo:k_hi] if len(reads) else writes[q_lo:q_hi]
+            pages = slots[::block_size] // block_size
+            length = k_hi - k_lo if n_q else 0
+        elif window is not None and n_q == 1:
+            ring = np.concatenate([reads[cached[0]:cached[1]], writes[q_lo:q_hi]])
+            pages, length = ring_pages(ring, block_size), len(ring)
+        if pages is None:
+            gathers.append((q_lo, q_hi, *cached))
             continue
-        rows_pages.append(slots[k_lo: k_hi: block_size] // block_size)
-        seq_lens.append(k_hi - k_lo if q_hi > q_lo else 0)
-        counts.append(q_hi - q_lo)
+        pages_of.append(pages)
+        lens.append(length)
+        counts.append(n_q)
         queries.append(np.arange(q_lo, q_hi))
-    width = max(1, max((len(p) for p in rows_pages), default=1))
-    table = np.zeros((len(rows_pages), width), dtype=np.int32)
-    for r, pages in enumerate(rows_pages):
+    width = max(1, max((len(p) for p in pages_of), default=1))
+    table = np.zeros((len(pages_of), width), dtype=np.int32)
+    for r, pages in enumerate(pages_of):
         table[r, : len(pages)] = pages
     qo_indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
     decode_queries = np.concatenate(queries) if queries else np.zeros(0, dtype=np.int64)
-    return table, np.asarray(seq_lens, dtype=np.int32), qo_indptr, decode_queries, prefills
+    return StepRows(table, np.asarray(lens, dtype=np.int32), qo_indptr, decode_queries, gathers)
+
+
+def ring_pages(slots: np.ndarray, block_size: int) -> np.ndarray | None:
+    """The pages of a window's ring of slots, as a row of the decode kernel: the full pages, then
+    the one partly filled page (a row's tokens fill its pages from offset 0). None if the slots
+    are not such a set (then the request is gathered)."""
+    pages, offsets = slots // block_size, slots % block_size
+    order, counts = np.unique(pages, return_counts=True)
+    if len(slots) != len(np.unique(slots)) or (counts < block_size).sum() > 1:
+        return None
+    for page, count in zip(order, counts):
+        if offsets[pages == page].max() != count - 1:   # not offsets 0 .. count - 1
+            return None
+    return np.concatenate([order[counts == block_size], order[counts < block_size]])
+
+
+class _GroupPlan:
+    """One layer group's wrapper and its rows of the current step."""
+
+    def __init__(self):
+        self.wrapper = DecodeWrapper("NHD")
+        self.rows = None                 # StepRows of the step
+        self.decode_index = None         # None: the decode queries are the step's first ones
+        self.plan_kwargs = None          # the plan's arguments but the soft-cap and the scale
+        self.planned = None              # (soft-cap, scale) of the wrapper's plan; None: none
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None, *,
                             cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
-                            read_index=None, write_index=None, **kwargs):
+                            read_index=None, write_index=None, s_aux=None, softcap=None,
+                            **kwargs):
     """transformers' attention-function interface: query [1, Hq, total_q, D], key / value
-    [1, Hkv, total_q, D] (the step's new tokens); returns ([1, total_q, Hq, D], None)."""
+    [1, Hkv, total_q, D] (the step's new tokens); s_aux: sinks [Hq] (gpt-oss), softcap: a
+    float or None (Gemma-2). Returns ([1, total_q, Hq, D], None)."""
     if cache is None:
         raise ValueError(f"{NAME} runs inside continuous batching (model.generate_batch); it was "
                          f"called without a paged cache")
-    if getattr(module, "sliding_window", None) or "s_aux" in kwargs:
-        raise ValueError(f"{NAME} serves full-attention layers; this model has sliding-window "
-                         f"layers or attention sinks")
-    group, in_group = cache.layer_index_to_group_indices[module.layer_idx]
-    k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
-    new_k = key[0].transpose(0, 1)                       # [total_q, Hkv, D]
-    new_v = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, write_index[group], new_k)
-    v_cache.index_copy_(0, write_index[group], new_v)
-
-    state = getattr(cache, "_persistentkv", None)
-    if state is None:
-        state = cache._persistentkv = _StepPlan()
-    cu_k = cu_seq_lens_k[_layer_type(module)] if isinstance(cu_seq_lens_k, dict) else cu_seq_lens_k
-    reads = read_index[group] if read_index is not None and len(read_index) else None
-    slots = reads if reads is not None and reads.numel() else write_index[group]
-    if module.layer_idx == min(cache.layer_index_to_group_indices):   # a new step: plan it
+    layer = module.layer_idx
+    group, in_group = cache.layer_index_to_group_indices[layer]
+    window = cache.sliding_windows[layer]
+    window = window if window > 1 else None
+    soft_cap = float(softcap) if softcap else 0.0
+    scale = kwargs.get("scaling") or module.scaling
+    sinks = None if s_aux is None else s_aux.detach().float().reshape(-1)
+    plans = getattr(cache, "_persistentkv", None)
+    if plans is None:
+        plans = cache._persistentkv = {}
+    if layer == min(cache.layer_index_to_group_indices):   # a new step: split it
         if _capturing():
             raise ValueError(f"{NAME} plans each step on the host: run generate_batch with "
                              f"ContinuousBatchingConfig(use_cuda_graph=False)")
-        _plan_step(state, module, query, cache, cu_seq_lens_q.cpu().numpy().astype(np.int64),
-                   cu_k.cpu().numpy().astype(np.int64), slots)
+        _split_groups(plans, cache, query, cu_seq_lens_q, cu_seq_lens_k, read_index,
+                      write_index)
+    state = plans[group]
+    rows = state.rows
+    k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
+    reads = _reads(read_index, group, write_index)
     q = query[0].transpose(0, 1)                          # [total_q (padded), Hq, D]
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)      # [total_q, Hkv, D]
+    cached = [(k_cache.index_select(0, reads[c_lo:c_hi]), v_cache.index_select(0, reads[c_lo:c_hi]))
+              if c_hi > c_lo else None for _, _, c_lo, c_hi in rows.gathers]   # before the write
+    k_cache.index_copy_(0, write_index[group], new_k)
+    v_cache.index_copy_(0, write_index[group], new_v)
+
     out = torch.zeros_like(q)
-    if state.rows:
+    rows_q = int(rows.qo_indptr[-1])
+    if rows_q:
+        if state.planned != (soft_cap, scale):   # the group's first layer, or one unlike it
+            state.wrapper.plan(**state.plan_kwargs, logits_soft_cap=soft_cap, sm_scale=scale)
+            state.planned = (soft_cap, scale)
         shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
         pools = (k_cache.view(shape), v_cache.view(shape))
         if state.decode_index is None:                    # the step's first rows_q queries
-            state.wrapper.run(q[: state.rows_q].contiguous(), pools, out=out[: state.rows_q])
+            state.wrapper.run(q[:rows_q].contiguous(), pools, out=out[:rows_q], sinks=sinks)
         else:
-            out[state.decode_index] = state.wrapper.run(q[state.decode_index], pools)
-    for q_lo, q_hi, k_lo, k_hi in state.prefills:
-        out[q_lo:q_hi] = _prefill(q[q_lo:q_hi], k_cache, v_cache, slots[k_lo:k_hi], module.scaling)
+            out[state.decode_index] = state.wrapper.run(q[state.decode_index], pools, sinks=sinks)
+    for (q_lo, q_hi, _, _), old in zip(rows.gathers, cached):
+        k, v = new_k[q_lo:q_hi], new_v[q_lo:q_hi]
+        if old is not None:
+            k, v = torch.cat([old[0], k]), torch.cat([old[1], v])
+        out[q_lo:q_hi] = attend(q[q_lo:q_hi], k, v, scale=scale, window=window,
+                                sinks=sinks, soft_cap=soft_cap)
     return out.unsqueeze(0), None
 
 
-def _plan_step(state: _StepPlan, module, query, cache, cu_q: np.ndarray, cu_k: np.ndarray,
-               slots: torch.Tensor) -> None:
-    """Plan the step's decode rows (one host read of its slots) and keep its prefills."""
-    table, seq_lens, qo_indptr, decode_q, state.prefills = split_step(
-        cu_q, cu_k, slots.cpu().numpy(), cache.block_size)
-    state.rows, state.rows_q = len(seq_lens), int(qo_indptr[-1])
-    device = query.device
-    prefix = np.array_equal(decode_q, np.arange(state.rows_q))
-    state.decode_index = None if prefix else torch.from_numpy(decode_q).to(device)
-    if state.rows:
-        state.wrapper.plan(block_table=torch.from_numpy(table).to(device),
-                           seq_lens=torch.from_numpy(seq_lens), qo_indptr=torch.from_numpy(qo_indptr),
-                           num_qo_heads=query.shape[1], num_kv_heads=cache.num_key_value_heads,
-                           head_dim=cache.head_dim, page_size=cache.block_size,
-                           sm_scale=module.scaling)
+def _split_groups(plans: dict, cache, query: torch.Tensor, cu_seq_lens_q, cu_seq_lens_k,
+                  read_index, write_index) -> None:
+    """Split the step for every layer group, from one host read of its indices (the plans are
+    made at each group's first layer, with that layer's soft-cap)."""
+    windows, kinds = {}, {}
+    for layer, (g, _) in cache.layer_index_to_group_indices.items():
+        w = cache.sliding_windows[layer]
+        windows[g] = w if w > 1 else None
+        kinds[g] = "full_attention" if windows[g] is None else "sliding_attention"
+    groups = sorted(windows)
+    parts = [cu_seq_lens_q]
+    for g in groups:
+        parts += [cu_seq_lens_k[kinds[g]] if isinstance(cu_seq_lens_k, dict) else cu_seq_lens_k,
+                  write_index[g], _reads(read_index, g, write_index)]
+    host = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).cpu().numpy()
+    pieces = np.split(host, np.cumsum([p.numel() for p in parts])[:-1])
+    for i, g in enumerate(groups):
+        cu_k, writes, reads = pieces[1 + 3 * i: 4 + 3 * i]
+        rows = split_step(pieces[0], cu_k, reads, writes, cache.block_size, window=windows[g])
+        state = plans.setdefault(g, _GroupPlan())
+        rows_q = int(rows.qo_indptr[-1])
+        prefix = np.array_equal(rows.decode_queries, np.arange(rows_q))
+        state.rows, state.planned = rows, None
+        state.decode_index = (None if prefix
+                              else torch.from_numpy(rows.decode_queries).to(query.device))
+        state.plan_kwargs = dict(
+            block_table=torch.from_numpy(rows.block_table).to(query.device),
+            seq_lens=torch.from_numpy(rows.seq_lens), qo_indptr=torch.from_numpy(rows.qo_indptr),
+            num_qo_heads=query.shape[1], num_kv_heads=cache.num_key_value_heads,
+            head_dim=cache.head_dim, page_size=cache.block_size)
 
 
-def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-             scale: float) -> torch.Tensor:
-    """One request's prefill: q [n_q, Hq, D], its n_k tokens' cache slots [n_k] (the queries
-    are the last n_q of them, causal) -> [n_q, Hq, D]."""
-    n_q, n_k = q.shape[0], slots.shape[0]
-    k = k_cache.index_select(0, slots).transpose(0, 1)[None]          # [1, Hkv, n_k, D]
-    v = v_cache.index_select(0, slots).transpose(0, 1)[None]
-    sdpa, q4 = torch.nn.functional.scaled_dot_product_attention, q.transpose(0, 1)[None]
-    if n_q == n_k:   # a whole prompt: causal from the start (a flash kernel, K/V heads shared)
-        o = sdpa(q4, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:            # a later chunk: query i sits at position n_k - n_q + i
-        pos = torch.arange(n_k - n_q, n_k, device=q.device)
-        mask = torch.arange(n_k, device=q.device)[None, :] <= pos[:, None]
-        group = q.shape[1] // k.shape[1]   # a masked kernel takes every head's K/V
-        o = sdpa(q4, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-                 attn_mask=mask, scale=scale)
-    return o[0].transpose(0, 1)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+           window: int | None = None, sinks: torch.Tensor | None = None,
+           soft_cap: float = 0.0) -> torch.Tensor:
+    """Attention of one request's queries over its tokens, with torch: q [n_q, Hq, D], k / v
+    [n_k, Hkv, D], the queries the last n_q tokens (causal), each seeing its last `window` tokens
+    (itself included; None: all); sinks float32 [Hq], soft_cap > 0: scores cap * tanh(s / cap).
+    Returns [n_q, Hq, D] in q's dtype."""
+    n_q, n_k, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]        # [n_q, 1]
+    key_pos = torch.arange(n_k, device=q.device)[None, :]               # [1, n_k]
+    seen = key_pos <= pos
+    if window is not None:
+        seen &= key_pos > pos - window
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if sinks is None and not soft_cap:
+        if n_q == n_k and window is None:   # a whole prompt: causal from the start, a flash kernel
+            o = sdpa(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
+        else:                               # a masked kernel takes every head's K/V
+            o = sdpa(q4, k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1),
+                     attn_mask=seen, scale=scale)
+        return o[0].transpose(0, 1)
+    kf = k4.float().repeat_interleave(group, dim=1)[0]                  # [Hq, n_k, D]
+    vf = v4.float().repeat_interleave(group, dim=1)[0]
+    out = torch.empty_like(q)
+    chunk = max(1, GATHER_SCORES // (q.shape[1] * n_k))
+    for lo in range(0, n_q, chunk):
+        s = scale * q4[0, :, lo:lo + chunk].float() @ kf.transpose(1, 2)  # [Hq, c, n_k]
+        if soft_cap:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        s = s.masked_fill(~seen[lo:lo + chunk], -math.inf)
+        if sinks is not None:
+            s = torch.cat([s, sinks.float()[:, None, None].expand(-1, s.shape[1], 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :n_k]
+        out[lo:lo + chunk] = (p @ vf).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _reads(read_index, group: int, write_index) -> torch.Tensor:
+    """The group's read slots, empty in a step of fresh prompts only."""
+    if read_index is None or len(read_index) <= group:
+        return write_index[group][:0]
+    return read_index[group]
 
 
 def _capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _layer_type(module) -> str:
-    return "sliding_attention" if getattr(module, "sliding_window", None) else "full_attention"
