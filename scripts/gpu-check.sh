@@ -5,12 +5,17 @@
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|pages|e2e ...]
+#                                        presets|judge|pages|pdl|d512|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
-# step cannot take the others' results with it. presets: a policy per preset of $PRESETS (default
-# the shapes without a shipped one), fitted and judged on the held-out seeds, about 150 s each;
-# pages: the page-size spot check (1 and 64); e2e: transformers end to end (llama3-8b and
-# qwen2.5-7b shapes, 32 and 128 requests of about 4K-token prompts, with the profile).
+# step cannot take the others' results with it. tests: the suite in TEST_PROCS parallel pytest
+# processes (default 6, a file each or a few; about 5 minutes on an H200, most of it Triton's
+# compiles). presets: a policy per preset of $PRESETS (default the shapes without a shipped one),
+# fitted and judged on the held-out seeds, about 150 s each; judge: the held-out evaluation alone
+# at each of $PRESETS with the policy pkv-auto takes there (about 75 s each); pages: the page-size
+# spot check (1 and 64); pdl: the layer chain with PDL off and on (three steps) and the attention
+# steps alone with and without it; d512: head dim 512's tiles; e2e: transformers end to end
+# (llama3-8b and qwen2.5-7b shapes at 32 and 128 requests of about 4K-token prompts, gpt-oss-20b
+# at 32 of about 1K, with the profile).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
 out=${OUT_DIR:-results/$gpu}
@@ -22,9 +27,20 @@ status=0
 for step in $steps; do
   echo "== $step"
   case $step in
-    tests)     timeout 300 python3 -m pytest -q tests -p no:cacheprovider > "$out/pytest-h200.txt" 2>&1
+    tests)     # the slowest files alone, the rest spread over the other processes
+               groups=("tests/test_decode.py" "tests/test_variants.py" "tests/test_fp8.py"
+                       "tests/test_compile.py tests/test_transformers.py"
+                       "tests/test_multi_token.py tests/test_graph_mode.py tests/test_op.py"
+                       "$(ls tests/test_*.py | grep -v -E 'test_(decode|variants|fp8|compile|transformers|multi_token|graph_mode|op)\.py' | tr '\n' ' ')")
+               i=0
+               for g in "${groups[@]}"; do
+                 i=$((i + 1))
+                 timeout 560 python3 -m pytest -q -p no:cacheprovider $g > "$out/pytest-part$i.txt" 2>&1 &
+               done
+               wait
+               cat "$out"/pytest-part*.txt > "$out/pytest-h200.txt"; rm -f "$out"/pytest-part*.txt
                sed -i 's#[^ ]*/site-packages/#<site-packages>/#g' "$out/pytest-h200.txt"
-               tail -1 "$out/pytest-h200.txt" ;;
+               grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest-h200.txt" | tail -12 ;;
     sanitize)  mkdir -p "$out/sanitizer"
                for tool in memcheck racecheck; do
                  timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x \
@@ -61,11 +77,31 @@ for step in $steps; do
                    --cells "B1 L8K,B1 L32K,B8 L8K,B32 L1K,B16 mix" --backends pkv-auto,fi-tensor-core,fi-xqa \
                    --out "$out" --tag "page$ps" > "$out/page$ps-log.txt" 2>&1; tail -1 "$out/page$ps-log.txt"
                done ;;
+    judge)     mkdir -p "$out/presets"
+               for p in ${PRESETS:-llama3-70b qwen3-14b gpt-oss gpt-oss-tp8 gemma2-9b}; do
+                 timeout 200 python3 -m persistentkv.cli evaluate --preset "$p" --samples 8 \
+                   --out "$out/presets" --tag "judge-$p" > "$out/presets/judge-$p-log.txt" 2>&1
+                 grep "x FI best" "$out/presets/judge-$p-log.txt"
+               done ;;
+    pdl)       for shape in "--tag pdl" "--batch 1 --context 1024 --tag pdl-b1" \
+                            "--batch 64 --context 8192 --tag pdl-b64"; do
+                 timeout 200 python3 -m persistentkv.cli layer-chain $shape --out "$out" \
+                   > "$out/layer-chain-log.txt" 2>&1; tail -3 "$out/layer-chain-log.txt"
+               done
+               for i in 1 2; do   # twice, for the noise
+                 timeout 200 python3 -m persistentkv.cli bench --grid --cells "B1 L1K,B8 L1K,B8 L8K" \
+                   --backends pkv-auto,pkv-auto:pdl1 --out "$out" --tag pdl-alone-$i \
+                   > "$out/pdl-alone-log.txt" 2>&1; tail -1 "$out/pdl-alone-log.txt"
+               done ;;
+    d512)      timeout 300 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
+                 --head-dim 512 --backends pkv-auto,pkv-auto:blockn32:warps8:stages2,pkv-auto:blockn32:warps8:stages3,fi-tensor-core \
+                 --out "$out" --tag d512-tiles > "$out/d512-log.txt" 2>&1; tail -1 "$out/d512-log.txt" ;;
     e2e)       mkdir -p "$out/e2e"
-               for model in llama3-8b qwen2.5-7b; do
-                 timeout 600 python3 -m persistentkv.cli e2e --model $model --requests 32,128 \
-                   --mean-prompt 4096 --new-tokens 32 --profile --out "$out/e2e" --tag "e2e-$model" \
-                   > "$out/e2e/e2e-$model-log.txt" 2>&1; tail -3 "$out/e2e/e2e-$model-log.txt"
+               for run in "llama3-8b 32,128 4096" "qwen2.5-7b 32,128 4096" "gpt-oss-20b 32 1024"; do
+                 set -- $run
+                 timeout 600 python3 -m persistentkv.cli e2e --model $1 --requests $2 \
+                   --mean-prompt $3 --new-tokens 32 --profile --out "$out/e2e" --tag "e2e-$1" \
+                   > "$out/e2e/e2e-$1-log.txt" 2>&1; tail -3 "$out/e2e/e2e-$1-log.txt"
                done ;;
     *)         echo "unknown step $step"; status=2 ;;
   esac
