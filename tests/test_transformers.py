@@ -5,6 +5,8 @@ PersistentKV's kernel."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
 
@@ -419,3 +421,70 @@ def test_attention_time_from_cuda_events():
     assert row["decode_attention_share"] == pytest.approx(300 / 1000)
     assert row["device_ms_unlinked"] == pytest.approx(0.1) and row["profiled_ms"] == pytest.approx(1.1)
     assert row["pkv_kernel_ms"] == pytest.approx(0.4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.sampled_from([4, 8, 16]), window=st.one_of(st.none(), st.integers(2, 40)),
+       plans=st.lists(st.lists(st.sampled_from([1, 1, 1, 2, 3, 7, 20]), min_size=1, max_size=12),
+                      min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_split_step_reads_each_querys_tokens_from_transformers_indices(block_size, window, plans,
+                                                                       seed):
+    """transformers' own allocators (full, sliding window) make the read and write indices of
+    random requests, step after step (prompt chunks, decode tokens, a few tokens at a time), in
+    blocks drawn at random; a simulated cache records which token each slot holds. Every decode
+    row must read, after the write, exactly the tokens its query attends to (the window's, or all
+    of them); every gathered request's cached slots, read before the write, its tokens before
+    the new ones, in order."""
+    from transformers.generation.continuous_batching.cache_manager import (
+        FullAttentionCacheAllocator, SlidingAttentionCacheAllocator)
+
+    sentinel, trash = 10_000 * block_size + 1, 10_001 * block_size
+    blocks = np.random.default_rng(seed).permutation(10_000).tolist()
+
+    class Blocks:   # transformers' BlockManager, reduced to handing out random free blocks
+        def get_free_blocks(self, n, last_block_id, shareable, group_id):
+            return [blocks.pop() for _ in range(n)]
+
+    cm = (FullAttentionCacheAllocator(0, block_size, allow_block_sharing=False) if window is None
+          else SlidingAttentionCacheAllocator(0, block_size, window, sentinel, trash))
+    held = {}                                   # slot -> (request, position)
+    past = [0] * len(plans)
+    for step in range(max(len(p) for p in plans)):
+        live = [r for r, p in enumerate(plans) if step < len(p)]
+        cu_q, cu_k, reads, writes = [0], [0], [], []
+        for r in live:
+            n = plans[r][step]
+            cm.allocate_blocks(-(-(past[r] + n) // block_size) - len(cm.block_table.get(r, [])),
+                               r, Blocks())
+            got = cm.get_read_indices(r, past[r], n)
+            reads += got
+            writes += cm.get_write_indices(r, past[r], n)
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + len(got))
+        rows = split_step(np.array(cu_q), np.array(cu_k), np.array(reads), np.array(writes),
+                          block_size, window=window)
+        for q_lo, q_hi, c_lo, c_hi in rows.gathers:        # before the write
+            r = live[cu_q.index(q_lo)]
+            assert [held[s] for s in reads[c_lo:c_hi]] == [(r, p) for p in
+                                                           range(past[r] - (c_hi - c_lo), past[r])]
+        for i, slot in enumerate(writes):
+            b = int(np.searchsorted(cu_q, i, side="right")) - 1
+            if slot != trash:
+                held[slot] = (live[b], past[live[b]] + i - cu_q[b])
+        decoded = {q_lo for q_lo, *_ in rows.gathers}
+        row = 0
+        for b, r in enumerate(live):
+            if cu_q[b] in decoded:
+                continue
+            n, newest = cu_q[b + 1] - cu_q[b], past[r] + cu_q[b + 1] - cu_q[b] - 1
+            first = 0 if window is None else max(0, newest - window + 1)
+            pages, length = rows.block_table[row], int(rows.seq_lens[row])
+            seen = [held[int(pages[t // block_size]) * block_size + t % block_size]
+                    for t in range(length)]
+            want = [(r, p) for p in range(first, newest + 1)]
+            assert (seen if window is None else sorted(seen)) == want
+            assert window is None or n == 1
+            row += 1
+        assert row == len(rows.seq_lens)
+        for b, r in enumerate(live):
+            past[r] += cu_q[b + 1] - cu_q[b]
