@@ -2,7 +2,8 @@
 catches compile errors the interpreter does not, and reports registers, spills, shared memory,
 cp.async use and the deepest `cp.async.wait_group` (0 means no tile is kept in flight across
 iterations: the K/V loads are not really pipelined), and counts the SASS instructions (all,
-shared-memory loads LDS and ldmatrix LDSM, byte permutes PRMT, 16-byte cp.async LDGSTS.128).
+shared-memory loads LDS and ldmatrix LDSM, shared stores STS, global loads LDG, byte permutes
+PRMT, 16-byte cp.async LDGSTS.128).
 Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90]
 """
 import argparse
@@ -72,7 +73,8 @@ def resource_usage(cubin: bytes) -> str:
 
 def sass_counts(cubin: bytes) -> str:
     """Instruction counts from the cubin's SASS: all, shared-memory loads (LDS, and LDSM =
-    ldmatrix), byte permutes (PRMT) and 16-byte asynchronous copies (LDGSTS.128)."""
+    ldmatrix) and stores (STS), global loads into registers (LDG), byte permutes (PRMT) and
+    16-byte asynchronous copies (LDGSTS.128)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -84,7 +86,8 @@ def sass_counts(cubin: bytes) -> str:
         return sum(1 for op in ops if op == prefix or op.startswith(prefix + "."))
     ldgsts = sum(1 for op in ops if op.startswith("LDGSTS") and op.endswith(".128"))
     return (f"{len(ops)} instructions, {count('LDS')} LDS, {count('LDSM')} LDSM, "
-            f"{count('PRMT')} PRMT, {ldgsts} LDGSTS.128")
+            f"{count('STS')} STS, {count('LDG')} LDG, {count('PRMT')} PRMT, "
+            f"{ldgsts} LDGSTS.128")
 
 
 def main():
@@ -95,8 +98,10 @@ def main():
                         help="group 4, d 128 with 2, 4, 8 and 16 query tokens per row")
     parser.add_argument("--variants", default="",
                         help="comma-separated kernel variants to compile in: window, soft_cap, "
-                             "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8), pdl "
-                             "(programmatic dependent launch: griddepcontrol.wait first)")
+                             "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8), "
+                             "fp8_registers (with kv_fp8: tiles through registers), fp8_pairs "
+                             "(with fp8_registers: converted in pairs), pdl (programmatic "
+                             "dependent launch: griddepcontrol.wait first)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))

@@ -34,3 +34,14 @@ def test_decode_kernel_with_pdl_compiles_with_the_same_resources():
     assert "stack 0 B" in pdl and " pdl:" in pdl, pdl
     resources = re.compile(r"(\d+) registers, stack \d+ B, (\d+) B shared")
     assert resources.search(pdl).groups() == resources.search(plain).groups(), (plain, pdl)
+
+
+def test_fp8_kernels_compile_for_sm90():
+    """The e4m3 kernels, per-token scales and every variant on, through the compiler's pipeline
+    (no spills) and through registers with the pair conversion (inline PTX, which the interpreter
+    never runs). A scale that is a float before the token loop and a tile inside it compiled in
+    the interpreter and not here."""
+    piped = _compile_check("--variants", "kv_fp8,token_scales,window,soft_cap,sinks")[0]
+    assert "stack 0 B" in piped and " 0 cp.async" not in piped, piped
+    regs = _compile_check("--variants", "kv_fp8,token_scales,fp8_registers,fp8_pairs")[0]
+    assert " 0 cp.async" in regs and re.search(r"\d+ LDSM", regs), regs

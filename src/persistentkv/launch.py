@@ -238,7 +238,8 @@ class DecodeLauncher:
             return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(plan.config, q.device),
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
-            sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None)
+            sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
+            fp8_registers=plan.config.fp8_registers, fp8_pairs=converts_e4m3_pairs(q.device))
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
@@ -264,6 +265,14 @@ def use_pdl(config, device: torch.device) -> bool:
     return (config.pdl and not interpreting() and device.type == "cuda"
             and _capability(device.index if device.index is not None
                             else torch.cuda.current_device()) >= (9, 0))
+
+
+def converts_e4m3_pairs(device: torch.device) -> bool:
+    """Whether the decode kernel can convert e4m3 pairs with cvt.rn.f16x2.e4m3x2: a GPU of compute
+    capability 8.9 or later (not Triton's interpreter, which runs no inline assembly)."""
+    return (not interpreting() and device.type == "cuda"
+            and _capability(device.index if device.index is not None
+                            else torch.cuda.current_device()) >= (8, 9))
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,10 @@ class KernelConfig:
     under the interpreter and on older GPUs): the kernel is launched so that it may start while the
     kernel before it on the stream finishes, and waits for that kernel's writes (griddepcontrol.wait)
     before its first load; off by default, measured by `persistentkv layer-chain`.
+    fp8_registers: an fp8 cache's tiles are loaded into registers one tile ahead of their use
+    (instead of through the compiler's shared-memory pipeline) and, on sm_89 and newer, converted
+    there to fp16 two values per instruction, so that they reach the MMAs as 16-bit tiles
+    (docs/perf-notes.md, v16); off by default, not yet measured.
     """
 
     block_n: int = 64
@@ -37,6 +41,7 @@ class KernelConfig:
     programs_per_sm: int = 2
     one_round: bool = True
     pdl: bool = False
+    fp8_registers: bool = False
 
     def tile_tokens(self, *, kv_fp8: bool) -> int:
         """Tokens per K/V tile for a cache of this kind."""
@@ -53,8 +58,9 @@ class KernelConfig:
                 continue
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"KernelConfig.pdl must be a bool, got {self.pdl!r}")
+        for name in ("one_round", "pdl", "fp8_registers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 
