@@ -49,6 +49,29 @@ def _e4m3_words_to_f16(words, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
 
 
 @triton.jit
+def _load_fp8_tile(k_base, v_base, scales_base, page, tok, valid, stride_page, stride_tok, offs_d,
+                   d_mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr, WORDS: tl.constexpr):
+    """An e4m3 tile of tokens tok (on pages `page`): (k, v, k_sc, v_sc), K/V [N, D_PAD] e4m3 or
+    (WORDS) [N, D_PAD // 2] 16-bit words, their per-token scales [N] (TOKEN_SCALES; else 1.0)."""
+    offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
+    if WORDS:
+        k = _load_e4m3_words(k_base, offs, valid, HEAD_DIM, D_PAD)
+        v = _load_e4m3_words(v_base, offs, valid, HEAD_DIM, D_PAD)
+    else:
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k_sc = 1.0
+    v_sc = 1.0
+    if TOKEN_SCALES:
+        s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE
+        k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)
+        v_sc = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)
+    return k, v, k_sc, v_sc
+
+
+@triton.jit
 def _tile_step(acc, m_i, l_i, q, k, v, k_sc, v_sc, tok, valid, limit, lower, scale_log2,
                soft_cap, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
                UPCAST: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr):
@@ -107,45 +130,19 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=tok < tok_hi, other=0)
     if FP8_REGS:
         # tile i + 1's K/V (and scales) are loaded at the top of iteration i, tile i + 2's pages
-        valid = tok < tok_hi
-        offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok
-        if FP8_PAIRS:
-            k_next = _load_e4m3_words(k_base, offs, valid, HEAD_DIM, D_PAD)
-            v_next = _load_e4m3_words(v_base, offs, valid, HEAD_DIM, D_PAD)
-        else:
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k_next = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v_next = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if TOKEN_SCALES:
-            s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE
-            k_sc_next = tl.load(scales_base + s_off, mask=valid, other=0.0)
-            v_sc_next = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)
+        k_next, v_next, k_sc_next, v_sc_next = _load_fp8_tile(
+            k_base, v_base, scales_base, page, tok, tok < tok_hi, stride_page, stride_tok, offs_d,
+            d_mask, HEAD_DIM, D_PAD, PAGE_SIZE, TOKEN_SCALES, SCALE_KV, FP8_PAIRS)
         nxt = tok + BLOCK_N
         page = tl.load(indices_ptr + page_start + nxt // PAGE_SIZE, mask=nxt < tok_hi, other=0)
         for start in tl.range(tok_lo, tok_hi, BLOCK_N, num_stages=1):
             tok = start + offs_n
             valid = tok < tok_hi
-            k = k_next
-            v = v_next
-            k_sc = 1.0
-            v_sc = 1.0
-            if TOKEN_SCALES:
-                k_sc = k_sc_next
-                v_sc = v_sc_next
+            k, v, k_sc, v_sc = k_next, v_next, k_sc_next, v_sc_next
             nxt = tok + BLOCK_N
-            n_valid = nxt < tok_hi
-            offs = page.to(tl.int64) * stride_page + (nxt % PAGE_SIZE).to(tl.int64) * stride_tok
-            if FP8_PAIRS:
-                k_next = _load_e4m3_words(k_base, offs, n_valid, HEAD_DIM, D_PAD)
-                v_next = _load_e4m3_words(v_base, offs, n_valid, HEAD_DIM, D_PAD)
-            else:
-                kv_mask = n_valid[:, None] & d_mask[None, :]
-                k_next = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-                v_next = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if TOKEN_SCALES:
-                s_off = page.to(tl.int64) * (2 * SCALE_KV) + nxt % PAGE_SIZE
-                k_sc_next = tl.load(scales_base + s_off, mask=n_valid, other=0.0)
-                v_sc_next = tl.load(scales_base + SCALE_KV + s_off, mask=n_valid, other=0.0)
+            k_next, v_next, k_sc_next, v_sc_next = _load_fp8_tile(
+                k_base, v_base, scales_base, page, nxt, nxt < tok_hi, stride_page, stride_tok,
+                offs_d, d_mask, HEAD_DIM, D_PAD, PAGE_SIZE, TOKEN_SCALES, SCALE_KV, FP8_PAIRS)
             after = nxt + BLOCK_N
             page = tl.load(indices_ptr + page_start + after // PAGE_SIZE, mask=after < tok_hi,
                            other=0)
