@@ -206,6 +206,7 @@ def test_e2e_model_shapes():
                         config.num_key_value_heads, config.head_dim)
     assert shapes["llama3-8b"] == (32, 32, 8, 128) and shapes["qwen2.5-7b"] == (28, 28, 4, 128)
     assert shapes["gpt-oss-20b"] == (24, 64, 8, 64) and shapes["tiny"] == (2, 8, 2, 16)
+    assert shapes["tiny-gpt-oss"] == (2, 8, 2, 16)
     config = build_model("gpt-oss-20b", device=torch.device("meta"), dtype=torch.bfloat16).config
     assert config.sliding_window == 128 and config.layer_types[:2] == ["sliding_attention",
                                                                        "full_attention"]
@@ -270,6 +271,19 @@ def test_e2e_run_of_a_tiny_model(tmp_path):
         assert 0 <= r["token_agreement"] <= 1 and 0 <= r["matching_prefix"] <= 3
         assert r["tf_scored_requests"] == 2 and r["tf_logits_rel_diff"] < 5e-3
     assert rows[0]["tf_logits_max_abs_diff"] == 0.0 and rows[0]["speedup"] == 1.0
+
+
+def test_e2e_run_of_a_tiny_gpt_oss(tmp_path):
+    """The command on a model with window layers and sinks, against paged|eager (paged|sdpa
+    refuses gpt-oss): the teacher-forced check agrees on every scored position."""
+    from persistentkv.bench.e2e import REFERENCE, run_e2e
+
+    rows = run_e2e(model_name="tiny-gpt-oss", requests=[3], mean_prompt=20, new_tokens=4,
+                   impls=[REFERENCE["tiny-gpt-oss"], NAME], device=DEVICE, out_dir=tmp_path,
+                   tag="g")
+    assert [r["impl"] for r in rows] == ["paged|eager", NAME] and rows[1]["error"] is None
+    assert rows[1]["tf_scored_requests"] == 3 and rows[1]["tf_top1_agreement"] == 1.0
+    assert rows[1]["tf_logits_rel_diff"] < 5e-3, rows[1]
 
 
 def test_e2e_reports_an_implementation_that_raises(tmp_path):

@@ -200,6 +200,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     model = args.model or ("llama3-8b" if device == "cuda" else "tiny")
     reference = REFERENCE.get(model, "paged|sdpa")
     impls = args.impls or (f"{reference},paged|persistentkv" if device == "cuda"
+                           or reference != "paged|sdpa"
                            else "paged|sdpa,paged|eager,paged|persistentkv")
     run_e2e(model_name=model, requests=_ints(args.requests), mean_prompt=args.mean_prompt,
             new_tokens=args.new_tokens, impls=impls.split(","), device=torch.device(device),
@@ -310,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e2e = sub.add_parser("e2e", help="a random-weight model in transformers' continuous batching, "
                                      "paged|persistentkv against transformers' paged attention")
-    e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "gpt-oss-20b", "tiny"],
+    e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "gpt-oss-20b", "tiny",
+                                         "tiny-gpt-oss"],
                      help="default: llama3-8b on a GPU, tiny on the CPU")
     e2e.add_argument("--requests", default="8,32,128", help="concurrent requests per run")
     e2e.add_argument("--mean-prompt", type=int, default=4096, help="mean prompt tokens")

@@ -4,7 +4,8 @@
 The model is built from a config with random weights (no downloads): a Llama-3-8B shape, a
 Qwen2.5-7B shape, a gpt-oss-20b shape (window layers of 128 tokens between full ones, attention
 sinks, 32 experts; transformers' paged|sdpa refuses it, so paged|eager is its reference), or
-(the default without a GPU) a tiny Llama that runs through Triton's interpreter. Requests get random prompts of mixed lengths (uniform in [mean / 4, 7 mean / 4])
+(the default without a GPU) a tiny Llama that runs through Triton's interpreter (and a tiny
+gpt-oss, window layers of 8 tokens). Requests get random prompts of mixed lengths (uniform in [mean / 4, 7 mean / 4])
 and generate greedily.
 
 Timing. Before its first timed run each implementation runs once untimed (the first batch's
@@ -83,10 +84,13 @@ MODELS = {   # name: (transformers config class, its arguments)
                                            num_local_experts=32, num_experts_per_tok=4,
                                            max_position_embeddings=131072)),
     "tiny": ("LlamaConfig", _shape(2, 128, 256, 8, 2, 16, 128)),
+    "tiny-gpt-oss": ("GptOssConfig", _shape(2, 64, 64, 8, 2, 16, 128, num_local_experts=4,
+                                            num_experts_per_tok=2, sliding_window=8,
+                                            max_position_embeddings=4096)),
 }
 # the first implementation of a run (its reference) when --impls is not given: transformers'
 # paged|sdpa, or paged|eager where paged|sdpa refuses the model (gpt-oss, for its sinks)
-REFERENCE = {"gpt-oss-20b": "paged|eager"}
+REFERENCE = {"gpt-oss-20b": "paged|eager", "tiny-gpt-oss": "paged|eager"}
 AGREEMENT_TOKENS = 32
 WARMUP_TOKENS = 2
 PROFILE_TOKENS = 8   # new tokens of the profiled run (at most --new-tokens)
