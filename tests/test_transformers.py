@@ -190,9 +190,13 @@ def test_generate_batch_serves_windows_sinks_and_soft_cap(arch):
     assert len(runs) == 2 and min(runs.values()) >= 9, runs     # both groups, every decode step
 
 
-def test_outside_continuous_batching_is_refused():
+def test_outside_continuous_batching_and_float32_are_refused():
     with pytest.raises(ValueError, match="runs inside continuous batching"):
         paged_attention_forward(torch.nn.Module(), torch.zeros(1, 2, 1, 16), None, None, None)
+    with pytest.raises(TypeError, match="float16 or bfloat16 models; this one computes in "
+                                        "torch.float32"):
+        paged_attention_forward(torch.nn.Module(), torch.zeros(1, 2, 1, 16), None, None, None,
+                                cache=object())
 
 
 def test_e2e_model_shapes():

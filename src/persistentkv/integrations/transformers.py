@@ -145,6 +145,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if cache is None:
         raise ValueError(f"{NAME} runs inside continuous batching (model.generate_batch); it was "
                          f"called without a paged cache")
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{NAME} runs float16 or bfloat16 models; this one computes in "
+                        f"{query.dtype} (load it with dtype=torch.bfloat16)")
     layer = module.layer_idx
     group, in_group = cache.layer_index_to_group_indices[layer]
     window = cache.sliding_windows[layer]
