@@ -19,9 +19,9 @@ from persistentkv.wrapper import DecodeWrapper
 def test_split_step_keeps_long_prefills_for_torch():
     """Of a step with a request of 37 queries over 45 tokens, a decode token over 10 and a
     request of 3 queries over 7 (block 4): the first is gathered, the others are decode rows,
-    their queries at positions 37 and 38-40 of the step."""
-    cu_q = np.array([0, 37, 38, 41])
-    cu_k = np.array([0, 45, 55, 62])
+    their queries at positions 37 and 38-40 of the step; a request without queries is neither."""
+    cu_q = np.array([0, 37, 38, 41, 41])     # and a request with no query this step
+    cu_k = np.array([0, 45, 55, 62, 62])
     reads = np.concatenate([np.arange(100, 145), np.arange(8, 18), np.arange(40, 47)])
     writes = np.concatenate([np.arange(108, 145), [17], [44, 45, 46]])
     rows = split_step(cu_q, cu_k, reads, writes, block_size=4)

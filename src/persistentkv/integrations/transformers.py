@@ -84,12 +84,13 @@ def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np
         q_lo, q_hi = int(cu_q[b]), int(cu_q[b + 1])
         k_lo, k_hi = int(cu_k[b]), int(cu_k[b + 1])
         n_q = q_hi - q_lo
+        if n_q == 0:             # a request with nothing to attend this step
+            continue
         cached = (k_lo, k_hi - n_q) if len(reads) else (0, 0)
         pages = None
         if window is None and n_q <= max_queries:
             slots = reads[k_lo:k_hi] if len(reads) else writes[q_lo:q_hi]
-            pages = slots[::block_size] // block_size
-            length = k_hi - k_lo if n_q else 0
+            pages, length = slots[::block_size] // block_size, k_hi - k_lo
         elif window is not None and n_q == 1:
             ring = np.concatenate([reads[cached[0]:cached[1]], writes[q_lo:q_hi]])
             pages, length = ring_pages(ring, block_size), len(ring)
