@@ -83,11 +83,12 @@ def test_parser_does_not_import_triton():
 
 
 def test_preset_lists(capsys, tmp_path):
-    """--preset takes a comma list (bench and evaluate run each, one results file per preset);
-    an unknown name is an argparse error naming it."""
+    """--preset (or --shape, the same option) takes a comma list (bench and evaluate run each, one
+    results file per preset); an unknown name is an argparse error naming it."""
     from persistentkv.cli import build_parser, model_shapes
 
     args = build_parser().parse_args(["bench", "--preset", "llama3-70b-tp8,gemma2-9b"])
+    assert build_parser().parse_args(["bench", "--shape", "llama3-70b-tp8,gemma2-9b"]) == args
     assert [(p, s.num_kv_heads, s.head_dim) for p, s in model_shapes(args)] == [
         ("llama3-70b-tp8", 1, 128), ("gemma2-9b", 8, 256)]
     with pytest.raises(SystemExit):

@@ -80,7 +80,8 @@ def _preset_list(text: str) -> list[str]:
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench.runner import MODEL_PRESETS   # (no triton)
 
-    parser.add_argument("--preset", type=_preset_list, metavar="NAME[,NAME...]",
+    parser.add_argument("--preset", "--shape", dest="preset", type=_preset_list,
+                        metavar="NAME[,NAME...]",
                         help="model shapes (Hq/Hkv/head_dim; bench and evaluate take several): "
                              + ", ".join(f"{k} {'/'.join(map(str, v))}"
                                          for k, v in MODEL_PRESETS.items()))
