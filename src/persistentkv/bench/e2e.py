@@ -5,8 +5,8 @@ The model is built from a config with random weights (no downloads): a Llama-3-8
 Qwen2.5-7B shape, a gpt-oss-20b shape (window layers of 128 tokens between full ones, attention
 sinks, 32 experts; transformers' paged|sdpa refuses it, so paged|eager is its reference), or
 (the default without a GPU) a tiny Llama that runs through Triton's interpreter (and a tiny
-gpt-oss, window layers of 8 tokens). Requests get random prompts of mixed lengths (uniform in [mean / 4, 7 mean / 4])
-and generate greedily.
+gpt-oss, window layers of 8 tokens). Requests get random prompts of mixed lengths (uniform in
+[mean / 4, 7 mean / 4]) and generate greedily.
 
 Timing. Before its first timed run each implementation runs once untimed (the first batch's
 prompts, WARMUP_TOKENS new tokens): Triton compiles our kernels on their first launches in the
