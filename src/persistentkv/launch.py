@@ -232,6 +232,9 @@ class DecodeLauncher:
         fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, ws.row_lens, *strides,
                  plan.sm_scale * LOG2_E, q.shape[0], plan.window_left,
                  plan.logits_soft_cap or 1.0)
+        # the fp8 register path only with the pair conversion (without, on sm_80, it spills) or
+        # under the interpreter (which tests its prefetch order)
+        pairs = fp8 and converts_e4m3_pairs(q.device)
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
             head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.tile_tokens(kv_fp8=fp8),
@@ -239,7 +242,8 @@ class DecodeLauncher:
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
-            fp8_registers=plan.config.fp8_registers, fp8_pairs=converts_e4m3_pairs(q.device))
+            fp8_registers=plan.config.fp8_registers and (pairs or interpreting()),
+            fp8_pairs=pairs)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).

@@ -29,7 +29,8 @@ class KernelConfig:
     fp8_registers: an fp8 cache's tiles are loaded into registers one tile ahead of their use
     (instead of through the compiler's shared-memory pipeline) and, on sm_89 and newer, converted
     there to fp16 two values per instruction, so that they reach the MMAs as 16-bit tiles
-    (docs/perf-notes.md, v16); off by default, not yet measured.
+    (docs/perf-notes.md, v16; on older GPUs, without that conversion, the pipelined path runs);
+    off by default, not yet measured.
     """
 
     block_n: int = 64
