@@ -134,8 +134,7 @@ def _generate(model, impl: str, prompts, *, new_tokens: int, record_timestamps: 
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
     # the same for every implementation: no CUDA graphs (paged|persistentkv plans on the host)
-    cb = ContinuousBatchingConfig(use_cuda_graph=False, **_cpu_cache_size(model, prompts,
-                                                                          new_tokens))
+    cb = ContinuousBatchingConfig(use_cuda_graph=False, **_cache_size(model, prompts, new_tokens))
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
                                progress_bar=False, record_timestamps=record_timestamps)
     outs = [out[k] for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
@@ -146,10 +145,16 @@ def _generate(model, impl: str, prompts, *, new_tokens: int, record_timestamps: 
     return outs
 
 
-def _cpu_cache_size(model, prompts, new_tokens: int) -> dict:
-    """On the CPU, a cache sized for the batch: transformers would size it to 90% of the host's
-    memory (slow to set up, the same tokens). On a GPU, transformers' own sizing."""
+def _cache_size(model, prompts, new_tokens: int) -> dict:
+    """The paged cache's sizing, the same for every implementation. On the CPU, a cache sized for
+    the batch: transformers would size it to 90% of the host's memory (slow to set up, the same
+    tokens). On a GPU, transformers' own sizing, except for gpt-oss, whose reference paged|eager
+    materializes every head's scores over the packed batch ([Hq, q, k], float32 in its softmax),
+    which that sizing does not count: half the free memory for the cache and batches of at most
+    4096 tokens leave them room."""
     if model.device.type == "cuda":
+        if model.config.model_type == "gpt_oss":
+            return {"max_memory_percent": 0.5, "max_batch_tokens": 4096}
         return {}
     block = 256   # ContinuousBatchingConfig's default block_size
     blocks = sum(-(-(len(p) + new_tokens) // block) for p in prompts)
