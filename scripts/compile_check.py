@@ -101,7 +101,8 @@ def main():
                              "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8), "
                              "fp8_registers (with kv_fp8: tiles through registers), fp8_pairs "
                              "(with fp8_registers: converted in pairs), pdl (programmatic "
-                             "dependent launch: griddepcontrol.wait first)")
+                             "dependent launch: griddepcontrol.wait first), pdl_early (with pdl: "
+                             "some loads and L2 prefetches ahead of the wait)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
@@ -115,7 +116,9 @@ def main():
         print(f"group {group:2d} d {head_dim:3d} queries {queries:2d} {'+'.join(variants)}: "
               f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
-              f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}")
+              f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}"
+              + (f"; {ptx[:ptx.find('griddepcontrol.wait')].count('prefetch.global.L2')} L2 "
+                 f"prefetches before griddepcontrol.wait" if "pdl_early" in variants else ""))
 
 
 if __name__ == "__main__":

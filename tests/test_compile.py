@@ -36,6 +36,17 @@ def test_decode_kernel_with_pdl_compiles_with_the_same_resources():
     assert resources.search(pdl).groups() == resources.search(plain).groups(), (plain, pdl)
 
 
+def test_decode_kernel_with_early_pdl_loads_compiles_without_spills():
+    """pdl_early: the first item's pages loaded and its first two tiles' K/V prefetched into L2
+    (prefetch.global.L2) ahead of the wait; the same registers and shared memory, no spills (a
+    branch around the prefetch made the compiler spill: it is masked instead)."""
+    plain = _compile_check()[0]
+    early = _compile_check("--variants", "pdl,pdl_early")[0]
+    assert "stack 0 B" in early and "4 L2 prefetches before griddepcontrol.wait" in early, early
+    resources = re.compile(r"(\d+) registers, stack \d+ B, (\d+) B shared")
+    assert resources.search(early).groups() == resources.search(plain).groups(), (plain, early)
+
+
 def test_fp8_kernels_compile_for_sm90():
     """The e4m3 kernels, per-token scales and every variant on, through the compiler's pipeline
     (no spills) and through registers with the pair conversion (inline PTX, which the interpreter

@@ -386,6 +386,30 @@ def _load_task(tasks_ptr, record, valid):
             tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=-1))
 
 
+@triton.jit
+def _prefetch_first_tiles(k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, stride_page,
+                          stride_tok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, TOKENS: tl.constexpr,
+                          ELEM_BYTES: tl.constexpr):
+    """Prefetch into L2 (prefetch.global.L2, one per 128-byte line) the K/V rows of a task's first
+    TOKENS tokens: the loads after griddepcontrol.wait then find them there. L2 only: it is
+    coherent with a kernel still writing a token's K/V, where registers or L1 would not be."""
+    LINE: tl.constexpr = 128 // ELEM_BYTES          # elements per line
+    LINES: tl.constexpr = (D_PAD * ELEM_BYTES + 127) // 128   # a power of two, as D_PAD
+    tok = tok_lo + tl.arange(0, TOKENS)
+    valid = tok < tok_hi
+    page = tl.load(indices_ptr + page_start.to(tl.int64) + tok // PAGE_SIZE, mask=valid, other=0)
+    rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [T]
+    lines = tl.arange(0, LINES) * LINE
+    offs = rows[:, None] + lines[None, :]
+    on = (valid[:, None] & (lines < HEAD_DIM)[None, :]).to(tl.int32)
+    for base in tl.static_range(2):
+        ptrs = (k_base if base == 0 else v_base) + offs
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["num_q_rows", "window_left"])
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr,
                         sinks_ptr, kv_scales_ptr, k_scale, v_scale,
@@ -399,7 +423,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
                         TOKEN_SCALES: tl.constexpr, FP8_REGS: tl.constexpr,
-                        FP8_PAIRS: tl.constexpr, PDL: tl.constexpr):
+                        FP8_PAIRS: tl.constexpr, PDL: tl.constexpr, PDL_EARLY: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -421,8 +445,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     PDL (launched with programmatic dependent launch): the kernel may start before the one ahead
     of it on the stream has finished; it waits for that kernel's writes first of all
     (griddepcontrol.wait), so that every load, the task records' included, sees them.
+    PDL_EARLY (with PDL; never a plan's first run: launch.py decides): the first item's task record,
+    the step's counts and the item's first pages are read before the wait, and its first tiles'
+    K/V prefetched into L2; q, the claims and every store wait. Neither the planner nor the page
+    guard is then the kernel ahead, and both ran at or before the plan's first run.
     """
-    if PDL:
+    if PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_wait()
     programs = tl.num_programs(0)
     item = tl.program_id(0)
@@ -432,6 +460,13 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         tasks_ptr, item // NUM_KV_HEADS, True)
     num_items = tl.load(info_ptr) * NUM_KV_HEADS
     chained = tl.load(info_ptr + 5) * NUM_KV_HEADS
+    if PDL_EARLY:   # the first item's first tiles (none for a program without an item)
+        head_off = kv_head * stride_head
+        last = tl.where(item < tl.where(chained > 0, chained, num_items), tok_hi, tok_lo)
+        _prefetch_first_tiles(k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
+                              page_start, tok_lo, last, stride_page, stride_tok, HEAD_DIM, D_PAD,
+                              PAGE_SIZE, 2 * BLOCK_N, 1 if KV_FP8 else 2)
+        tl.extra.cuda.gdc_wait()
     if (chained > 0) | (num_items <= programs):
         # One round: each program its item and, in a balanced plan, the rest of its chunk; no
         # claims. The first item is straight-line code: measured 0.6-1.0 us faster per launch on
@@ -482,7 +517,8 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
                       soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
                       token_scales: bool = False, fp8_registers: bool = False,
-                      fp8_pairs: bool = False, pdl: bool = False) -> dict:
+                      fp8_pairs: bool = False, pdl: bool = False,
+                      pdl_early: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -490,7 +526,8 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     tiles loaded into registers one ahead (no shared-memory pipeline), fp8_pairs: and converted
     two values per instruction (sm_89+, not the interpreter: launch.py decides); pdl: the kernel
     waits for the previous kernel's writes (launched with launch_pdl=True; compute capability
-    9.0+, never under the interpreter: launch.use_pdl decides)."""
+    9.0+, never under the interpreter: launch.use_pdl decides); pdl_early (with pdl): some loads
+    and L2 prefetches go ahead of the wait."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
@@ -498,4 +535,5 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
                 TOKEN_SCALES=token_scales, FP8_REGS=kv_fp8 and fp8_registers,
-                FP8_PAIRS=kv_fp8 and fp8_registers and fp8_pairs, PDL=pdl)
+                FP8_PAIRS=kv_fp8 and fp8_registers and fp8_pairs, PDL=pdl,
+                PDL_EARLY=pdl and pdl_early)
