@@ -71,17 +71,38 @@ def resource_usage(cubin: bytes) -> str:
     return f"{regs.group(1) if regs else '?'} registers, stack {stack.group(1) if stack else '?'} B"
 
 
-def sass_counts(cubin: bytes) -> str:
-    """Instruction counts from the cubin's SASS: all, shared-memory loads (LDS, and LDSM =
-    ldmatrix) and stores (STS), global loads into registers (LDG), byte permutes (PRMT) and
-    16-byte asynchronous copies (LDGSTS.128)."""
+def _sass_ops(cubin: bytes) -> list[str]:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+
+
+def before_wait(cubin: bytes) -> str:
+    """What the SASS does before the PDL wait (ACQBULK, griddepcontrol.wait): global loads (LDG),
+    L2 prefetches (CCTL), and what must never come first: stores, atomics and reductions,
+    asynchronous copies (STG, ATOM, RED, LDGSTS)."""
+    ops = _sass_ops(cubin)
+    at = next((i for i, op in enumerate(ops) if op.startswith("ACQBULK")), None)
+    if at is None:
+        return "no PDL wait"
+    first = ops[:at]
+
+    def n(prefix):
+        return sum(1 for op in first if op == prefix or op.startswith(prefix + "."))
+    return (f"before the wait {n('LDG')} LDG, {n('CCTL')} CCTL, "
+            f"{n('STG') + n('ATOM') + n('ATOMG') + n('RED') + n('LDGSTS')} STG/ATOM/RED/LDGSTS")
+
+
+def sass_counts(cubin: bytes) -> str:
+    """Instruction counts from the cubin's SASS: all, shared-memory loads (LDS, and LDSM =
+    ldmatrix) and stores (STS), global loads into registers (LDG), byte permutes (PRMT) and
+    16-byte asynchronous copies (LDGSTS.128)."""
+    ops = _sass_ops(cubin)
+
     def count(prefix):
         return sum(1 for op in ops if op == prefix or op.startswith(prefix + "."))
     ldgsts = sum(1 for op in ops if op.startswith("LDGSTS") and op.endswith(".128"))
@@ -118,7 +139,8 @@ def main():
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
               f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}"
               + (f"; {ptx[:ptx.find('griddepcontrol.wait')].count('prefetch.global.L2')} L2 "
-                 f"prefetches before griddepcontrol.wait" if "pdl_early" in variants else ""))
+                 f"prefetches before griddepcontrol.wait" if "pdl_early" in variants else "")
+              + (f"; {before_wait(k.asm['cubin'])}" if "pdl" in variants else ""))
 
 
 if __name__ == "__main__":

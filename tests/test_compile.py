@@ -32,6 +32,7 @@ def test_decode_kernel_with_pdl_compiles_with_the_same_resources():
     no spills."""
     plain, pdl = _compile_check()[0], _compile_check("--variants", "pdl")[0]
     assert "stack 0 B" in pdl and " pdl:" in pdl, pdl
+    assert "before the wait 0 LDG, 0 CCTL, 0 STG/ATOM/RED/LDGSTS" in pdl, pdl   # SASS order
     resources = re.compile(r"(\d+) registers, stack \d+ B, (\d+) B shared")
     assert resources.search(pdl).groups() == resources.search(plain).groups(), (plain, pdl)
 
@@ -43,6 +44,10 @@ def test_decode_kernel_with_early_pdl_loads_compiles_without_spills():
     plain = _compile_check()[0]
     early = _compile_check("--variants", "pdl,pdl_early")[0]
     assert "stack 0 B" in early and "4 L2 prefetches before griddepcontrol.wait" in early, early
+    # in the SASS: the record, counts and pages loaded and the lines prefetched (CCTL) before the
+    # wait, never a store, an atomic (the claims) or an asynchronous copy (the K/V tiles)
+    before = re.search(r"before the wait (\d+) LDG, (\d+) CCTL, (\d+) STG/ATOM/RED/LDGSTS", early)
+    assert before and int(before[1]) > 0 and int(before[2]) == 4 and before[3] == "0", early
     resources = re.compile(r"(\d+) registers, stack \d+ B, (\d+) B shared")
     assert resources.search(early).groups() == resources.search(plain).groups(), (plain, early)
 
