@@ -15,8 +15,8 @@
 # 64); pdl: the layer chain with PDL off, on, and on with loads ahead of its wait (three steps),
 # and the attention steps alone with and without it; fp8regs: an fp8 cache's tiles through
 # registers (v16) against the pipelined byte path, per tensor and per token; d512: head dim 512's
-# tiles; e2e: transformers end to end (llama3-8b and qwen2.5-7b shapes at 32 and 128 requests of
-# about 4K-token prompts, gpt-oss-20b at 32 of about 1K, with the profile).
+# tiles; e2e: transformers end to end (llama3-8b at 128 requests of about 4K-token prompts, its
+# 32 being v15's, qwen2.5-7b at 32 and 128, gpt-oss-20b at 32 of about 1K, with the profile).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
 out=${OUT_DIR:-results/$gpu}
@@ -106,7 +106,10 @@ for step in $steps; do
                  --head-dim 512 --backends pkv-auto,pkv-auto:blockn32:warps8:stages2,pkv-auto:blockn32:warps8:stages3,fi-tensor-core \
                  --out "$out" --tag d512-tiles > "$out/d512-log.txt" 2>&1; tail -1 "$out/d512-log.txt" ;;
     e2e)       mkdir -p "$out/e2e"
-               for run in "llama3-8b 32,128 4096" "qwen2.5-7b 32,128 4096" "gpt-oss-20b 32 1024"; do
+               # llama3-8b's 32 x 4K is v15's; E2E_RUNS overrides: "model requests mean-prompt" each
+               runs=${E2E_RUNS:-"llama3-8b 128 4096;qwen2.5-7b 32,128 4096;gpt-oss-20b 32 1024"}
+               IFS=';' read -ra runs <<< "$runs"
+               for run in "${runs[@]}"; do
                  set -- $run
                  timeout 600 python3 -m persistentkv.cli e2e --model $1 --requests $2 \
                    --mean-prompt $3 --new-tokens 32 --profile --out "$out/e2e" --tag "e2e-$1" \
