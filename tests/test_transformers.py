@@ -151,13 +151,15 @@ def test_generate_batch_serves_windows_sinks_and_soft_cap(arch):
     """Models with window layers (a ring of 6 slots over blocks of 4, which wraps), gpt-oss's
     sinks and Gemma-2's soft-cap give the greedy tokens of transformers' own eager attention
     (which applies all three), for prompts shorter and longer than the window and than 16
-    tokens; the same model without its variant gives other tokens. Both layers' decode steps
+    tokens, one prefilled in chunks (each chunk's cached tokens read before its write wraps the
+    ring over them); the same model without its variant gives other tokens. Both layers' decode steps
     run through the kernel. (transformers' paged|sdpa ignores sinks and soft-cap, and refuses
     gpt-oss; its paged|eager ignores soft-cap.)"""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    prompts = [[1, 5, 9, 3, 7], list(range(2, 40)), [4, 4, 8], list(range(60, 80)), [9]]
+    prompts = [[1, 5, 9, 3, 7], list(range(2, 40)), [4, 4, 8], list(range(60, 80)), [9],
+               [(7 * i) % 120 + 1 for i in range(90)]]    # prefilled in chunks of at most 32
     model = _tiny_model(arch)
     reference = _eager_tokens(model, prompts, gen)
     if arch == "gpt-oss":
@@ -179,7 +181,7 @@ def test_generate_batch_serves_windows_sinks_and_soft_cap(arch):
         return decode_run(self, q, *args, **kwargs)
 
     model.set_attn_implementation(register())
-    cb = ContinuousBatchingConfig(use_cuda_graph=False, num_blocks=32, max_batch_tokens=64,
+    cb = ContinuousBatchingConfig(use_cuda_graph=False, num_blocks=64, max_batch_tokens=32,
                                   block_size=4)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(DecodeWrapper, "run", counted_run)
