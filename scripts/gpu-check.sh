@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One pass of everything that needs the GPU, for a session on a CUDA machine (about 8-10 minutes on
+# One pass of everything that needs the GPU, for a run on a CUDA machine (about 8-10 minutes on
 # an H200): the whole test suite, compute-sanitizer over the kernel tests, the static grid against
 # FlashInfer (with graph mode), the policy's calibration and held-out evaluation, the fixed-cost
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
