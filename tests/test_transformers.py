@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="the [transformers] ex
 
 from paged_case import DEVICE, ON_GPU
 from persistentkv.integrations.transformers import (NAME, attend, paged_attention_forward, register,
-                                                    ring_pages, split_step)
+                                                    split_step)
 from persistentkv.wrapper import DecodeWrapper
 
 
@@ -54,14 +54,29 @@ def test_split_step_of_a_window_group_reads_each_ring():
     assert fresh.gathers == [(1, 9, 0, 0)]
 
 
-@pytest.mark.parametrize("slots, pages", [
+@pytest.mark.parametrize("ring, pages", [
     ([5, 0, 1, 2, 3, 4], [0, 1]), ([8, 9, 10], [2]), ([4, 5, 6, 7, 0, 1, 2, 3], [0, 1]),
     ([0, 1, 4, 5], None),           # two pages partly filled
     ([0, 2, 3, 4, 5, 6, 7], None),  # a hole at offset 1
     ([0, 1, 1], None)])             # a slot twice
-def test_ring_pages(slots, pages):
-    got = ring_pages(np.array(slots), 4)
-    assert (got is None) if pages is None else got.tolist() == pages
+def test_window_rings_that_are_rows(ring, pages):
+    """A decode token's ring (its cached slots, then the new token's) is a row of its pages, the
+    full ones first, when it fills them from offset 0; otherwise the request is gathered. Each
+    ring sits between two others in the step, which must come out unchanged."""
+    sentinel = 1000
+    rings = [[40, 41], ring, [48, 49, 50, 51, 52]]       # pages 10; the ring; 12, then 13
+    reads = np.concatenate([r[:-1] + [sentinel] for r in rings])
+    writes = np.array([r[-1] for r in rings])
+    cu_k = np.concatenate([[0], np.cumsum([len(r) for r in rings])])
+    rows = split_step(np.arange(4), cu_k, reads, writes, block_size=4, window=8)
+    table = [list(r[:n]) for r, n in zip(rows.block_table.tolist(),
+                                         [-(-n // 4) for n in rows.seq_lens])]
+    if pages is None:
+        assert table == [[10], [12, 13]] and rows.gathers == [(1, 2, 2, 1 + len(ring))]
+        assert rows.decode_queries.tolist() == [0, 2]
+    else:
+        assert table == [[10], pages, [12, 13]] and rows.gathers == []
+        assert rows.seq_lens.tolist() == [2, len(ring), 5]
 
 
 def test_generate_batch_matches_paged_sdpa():

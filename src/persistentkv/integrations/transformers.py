@@ -71,57 +71,86 @@ class StepRows:
 def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np.ndarray,
                block_size: int, *, window: int | None = None,
                max_queries: int = MAX_QUERIES_PER_ROW) -> StepRows:
-    """A step's requests for one layer group, split into decode rows and gathers.
+    """A step's requests for one layer group, split into decode rows and gathers (vectorized
+    over the requests: no Python loop per request).
 
     Request b's queries are q[cu_q[b]:cu_q[b+1]], its new tokens, written to the slots
     writes[cu_q[b]:cu_q[b+1]]. Its reads[cu_k[b]:cu_k[b+1]] are the slots of every token it
     attends to, in order, the new ones last (slot // block_size is the page); an empty `reads`
     means a step of fresh prompts only (nothing cached). window: the group's sliding window
     (its reads then hold at most window - 1 cached tokens and a placeholder per new one), None
-    for full attention."""
-    pages_of, lens, counts, queries, gathers = [], [], [], [], []
-    for b in range(len(cu_q) - 1):
-        q_lo, q_hi = int(cu_q[b]), int(cu_q[b + 1])
-        k_lo, k_hi = int(cu_k[b]), int(cu_k[b + 1])
-        n_q = q_hi - q_lo
-        if n_q == 0:             # a request with nothing to attend this step
-            continue
-        cached = (k_lo, k_hi - n_q) if len(reads) else (0, 0)
-        pages = None
-        if window is None and n_q <= max_queries:
-            slots = reads[k_lo:k_hi] if len(reads) else writes[q_lo:q_hi]
-            pages, length = slots[::block_size] // block_size, k_hi - k_lo
-        elif window is not None and n_q == 1:
-            ring = np.concatenate([reads[cached[0]:cached[1]], writes[q_lo:q_hi]])
-            pages, length = ring_pages(ring, block_size), len(ring)
-        if pages is None:
-            gathers.append((q_lo, q_hi, *cached))
-            continue
-        pages_of.append(pages)
-        lens.append(length)
-        counts.append(n_q)
-        queries.append(np.arange(q_lo, q_hi))
-    width = max(1, max((len(p) for p in pages_of), default=1))
-    table = np.zeros((len(pages_of), width), dtype=np.int32)
-    for r, pages in enumerate(pages_of):
-        table[r, : len(pages)] = pages
-    qo_indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int32)
-    decode_queries = np.concatenate(queries) if queries else np.zeros(0, dtype=np.int64)
-    return StepRows(table, np.asarray(lens, dtype=np.int32), qo_indptr, decode_queries, gathers)
+    for full attention. A request with no query this step is neither a row nor a gather."""
+    cu_q, cu_k = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
+    reads, writes = np.asarray(reads, dtype=np.int64), np.asarray(writes, dtype=np.int64)
+    n_q, q_lo = np.diff(cu_q), cu_q[:-1]
+    if len(reads):   # the cached tokens: a request's reads before its new ones
+        c_lo, c_hi = cu_k[:-1], cu_k[1:] - n_q
+    else:
+        c_lo = c_hi = np.zeros_like(n_q)
+    if window is None:
+        rows = np.flatnonzero((n_q > 0) & (n_q <= max_queries))
+        lens = np.diff(cu_k)[rows]
+        src, first = (reads, cu_k[:-1][rows]) if len(reads) else (writes, q_lo[rows])
+        row, col = _ragged(-(-lens // block_size))            # (row, its j-th page)
+        pages = src[first[row] + col * block_size] // block_size
+    else:
+        cand = np.flatnonzero(n_q == 1)
+        ring_row, j = _ragged(c_hi[cand] - c_lo[cand] + 1)    # cached slots, then the new one
+        last = j == (c_hi - c_lo)[cand][ring_row]
+        cached = reads[np.minimum(c_lo[cand][ring_row] + j, max(len(reads) - 1, 0))] \
+            if len(reads) else np.zeros_like(j)
+        slots = np.where(last, writes[q_lo[cand][ring_row]], cached)
+        ok, row, col, pages = _ring_rows(slots, ring_row, len(cand), block_size)
+        rows, lens = cand[ok], np.bincount(ring_row, minlength=len(cand))[ok]
+        renumber = np.cumsum(ok) - 1
+        keep = ok[row]
+        row, col, pages = renumber[row[keep]], col[keep], pages[keep]
+    table = np.zeros((len(rows), int(col.max()) + 1 if len(col) else 1), dtype=np.int32)
+    table[row, col] = pages
+    counts = n_q[rows]
+    qo_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    query_row, query_j = _ragged(counts)
+    decode_queries = q_lo[rows][query_row] + query_j
+    gathered = np.setdiff1d(np.flatnonzero(n_q > 0), rows)
+    gathers = [(int(q_lo[b]), int(cu_q[b + 1]), int(c_lo[b]), int(c_hi[b])) for b in gathered]
+    return StepRows(table, lens.astype(np.int32), qo_indptr, decode_queries, gathers)
 
 
-def ring_pages(slots: np.ndarray, block_size: int) -> np.ndarray | None:
-    """The pages of a window's ring of slots, as a row of the decode kernel: the full pages, then
-    the one partly filled page (a row's tokens fill its pages from offset 0). None if the slots
-    are not such a set (then the request is gathered)."""
+def _ragged(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(i, j) for every j < lengths[i], i-major: the index pairs of a ragged array."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    i = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.cumsum(lengths) - lengths
+    return i, np.arange(len(i)) - starts[i]
+
+
+def _ring_rows(slots: np.ndarray, ring: np.ndarray, rings: int, block_size: int):
+    """Window rings as rows of the decode kernel: slots int64 [n], ring[i] the ring of slots[i]
+    (i-major, rings of them). A ring is a row when its slots are distinct and fill each of its
+    pages from offset 0, at most one page partly (a row's tokens fill its pages in order): its
+    full pages, then the partly filled one. Returns (ok bool [rings], and per page of every ring:
+    its ring, its column, the page)."""
     pages, offsets = slots // block_size, slots % block_size
-    order, counts = np.unique(pages, return_counts=True)
-    if len(slots) != len(np.unique(slots)) or (counts < block_size).sum() > 1:
-        return None
-    for page, count in zip(order, counts):
-        if offsets[pages == page].max() != count - 1:   # not offsets 0 .. count - 1
-            return None
-    return np.concatenate([order[counts == block_size], order[counts < block_size]])
+    ok = np.ones(rings, dtype=bool)
+    if not len(slots):
+        return ok, ring, ring, ring
+    by_slot = np.lexsort((slots, ring))
+    same = (slots[by_slot][1:] == slots[by_slot][:-1]) & (ring[by_slot][1:] == ring[by_slot][:-1])
+    ok[ring[by_slot][1:][same]] = False                               # a slot twice
+    by_page = np.lexsort((pages, ring))
+    edge = np.r_[True, (pages[by_page][1:] != pages[by_page][:-1])
+                 | (ring[by_page][1:] != ring[by_page][:-1])]
+    starts = np.flatnonzero(edge)
+    g_ring, g_page = ring[by_page][starts], pages[by_page][starts]
+    g_count = np.diff(np.r_[starts, len(slots)])
+    g_top = np.maximum.reduceat(offsets[by_page], starts)
+    ok[g_ring[g_top != g_count - 1]] = False                          # not offsets 0 .. count-1
+    partial = g_count < block_size
+    ok[np.bincount(g_ring, weights=partial, minlength=rings) > 1] = False
+    order = np.lexsort((g_page, partial, g_ring))                     # full pages, then partial
+    g_ring, g_page = g_ring[order], g_page[order]
+    col = np.arange(len(g_ring)) - np.searchsorted(g_ring, g_ring)   # g_ring ascends
+    return ok, g_ring, col, g_page
 
 
 class _GroupPlan:
