@@ -304,7 +304,8 @@ def test_e2e_run_of_a_tiny_gpt_oss(tmp_path):
                    tag="g")
     assert [r["impl"] for r in rows] == ["paged|eager", NAME] and rows[1]["error"] is None
     assert rows[1]["tf_scored_requests"] == 3 and rows[1]["tf_top1_agreement"] == 1.0
-    assert rows[1]["tf_logits_rel_diff"] < 5e-3, rows[1]
+    # the run is in bf16 on a GPU (paged|eager's weights rounded to it too): the bf16 bound there
+    assert rows[1]["tf_logits_rel_diff"] < (1e-2 if ON_GPU else 5e-3), rows[1]
 
 
 def test_e2e_reports_an_implementation_that_raises(tmp_path):
