@@ -119,11 +119,8 @@ def main():
                         help="group 4, d 128 with 2, 4, 8 and 16 query tokens per row")
     parser.add_argument("--variants", default="",
                         help="comma-separated kernel variants to compile in: window, soft_cap, "
-                             "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8), "
-                             "fp8_registers (with kv_fp8: tiles through registers), fp8_pairs "
-                             "(with fp8_registers: converted in pairs), pdl (programmatic "
-                             "dependent launch: griddepcontrol.wait first), pdl_early (with pdl: "
-                             "some loads and L2 prefetches ahead of the wait)")
+                             "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8), pdl "
+                             "(programmatic dependent launch: griddepcontrol.wait first)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
@@ -138,8 +135,6 @@ def main():
               f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
               f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}"
-              + (f"; {ptx[:ptx.find('griddepcontrol.wait')].count('prefetch.global.L2')} L2 "
-                 f"prefetches before griddepcontrol.wait" if "pdl_early" in variants else "")
               + (f"; {before_wait(k.asm['cubin'])}" if "pdl" in variants else ""))
 
 

@@ -5,17 +5,15 @@
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|judge|pages|pdl|fp8regs|d512|e2e ...]
+#                                        presets|judge|pages|pdl|d512|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
 # policy per preset of $PRESETS (default the shapes without a shipped one), fitted and judged on
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
-# 64); pdl: the layer chain with PDL off, on, and on with loads ahead of its wait (three steps),
-# and the attention steps alone with and without it; fp8regs: an fp8 cache's tiles through
-# registers (v16) against the pipelined byte path, per tensor and per token; d512: head dim 512's
-# tiles; e2e: transformers end to end (llama3-8b at 128 requests of about 4K-token prompts, its
+# 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
+# with and without it; d512: head dim 512's tiles; e2e: transformers end to end (llama3-8b at 128 requests of about 4K-token prompts, its
 # 32 being v15's, qwen2.5-7b at 32 and 128, gpt-oss-20b at 32 of about 1K, with the profile).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
@@ -91,16 +89,8 @@ for step in $steps; do
                done
                for i in 1 2; do   # twice, for the noise
                  timeout 200 python3 -m persistentkv.cli bench --grid --cells "B1 L1K,B8 L1K,B8 L8K" \
-                   --backends pkv-auto,pkv-auto:pdl1,pkv-auto:pdl1:pdlearly1 --out "$out" --tag pdl-alone-$i \
+                   --backends pkv-auto,pkv-auto:pdl1 --out "$out" --tag pdl-alone-$i \
                    > "$out/pdl-alone-log.txt" 2>&1; tail -1 "$out/pdl-alone-log.txt"
-               done ;;
-    fp8regs)   # v16: an fp8 cache's tiles through registers, against the pipelined byte path
-               cells="B1 L32K,B4 L32K,B8 L8K,B8 L32K,B8 L128K,B32 L8K,B128 L8K,B16 mix,B1 L1K"
-               for gran in tensor token; do
-                 timeout 250 python3 -m persistentkv.cli bench --grid --kv-fp8 $gran --cells "$cells" \
-                   --backends pkv-auto,pkv-auto:warps8,pkv-auto:fp8regs1:warps8,pkv-auto:fp8regs1:fp8blockn64,pkv-auto:fp8regs1:fp8blockn64:warps8 \
-                   --out "$out" --tag fp8regs-$gran > "$out/fp8regs-$gran-log.txt" 2>&1
-                 tail -1 "$out/fp8regs-$gran-log.txt"
                done ;;
     d512)      timeout 300 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
                  --head-dim 512 --backends pkv-auto,pkv-auto:blockn32:warps8:stages2,pkv-auto:blockn32:warps8:stages3,fi-tensor-core \

@@ -312,11 +312,9 @@ def test_page_size_and_tile_combinations(backend, page, block_n):
 @pytest.mark.skipif(not ON_GPU, reason="programmatic dependent launch needs a GPU (compute "
                                        "capability 9.0+); the interpreter runs with it off")
 def test_gpu_pdl_matches_the_default_eagerly_and_in_a_graph():
-    """KernelConfig(pdl=True), with its wait first and with loads ahead of it (pdl_early): the
-    same output as pdl=False (NaN-poisoned out, against the reference), eagerly and replayed in
-    a CUDA graph, each run after the kernel that writes its q; the compiled kernels carry
-    launch_pdl, which the direct launch reads from their metadata; pdl_early compiles a second
-    kernel for the runs after a plan's first."""
+    """KernelConfig(pdl=True): the same output as pdl=False (NaN-poisoned out, against the
+    reference), eagerly and replayed in a CUDA graph after other kernels; the compiled kernel
+    carries launch_pdl, which the direct launch reads from its metadata."""
     from persistentkv.launch import use_pdl
     from persistentkv.tuning import KernelConfig
 
@@ -325,44 +323,36 @@ def test_gpu_pdl_matches_the_default_eagerly_and_in_a_graph():
     case = make_case(seq_lens=[300, 7, 129, 4000], num_qo_heads=32, num_kv_heads=8,
                      head_dim=128, page_size=16, layout="HND")
     outs = {}
-    for name, fields in (("off", {}), ("on", dict(pdl=True)),
-                         ("early", dict(pdl=True, pdl_early=True))):
+    for pdl in (False, True):
         wrapper = DecodeWrapper("HND")
-        config = KernelConfig(fp8_block_n=128, **fields)
+        config = KernelConfig(fp8_block_n=128, pdl=pdl)
         kwargs = dict(**csr_kwargs(case.table), num_qo_heads=32, num_kv_heads=8, head_dim=128,
                       page_size=16, backend="split", split_pages=4, config=config)
-        assert use_pdl(config, case.q.device) is config.pdl
+        assert use_pdl(config, case.q.device) is pdl
         plan = wrapper.plan(**kwargs)
-        for _ in range(3):                  # Triton's path, then the direct launch (both kinds)
+        for _ in range(2):                  # Triton's path, then the direct launch
             out = torch.full_like(case.q, float("nan"))
-            wrapper.run(case.q * 1.0, case.kv_cache, out=out)
+            wrapper.run(case.q, case.kv_cache, out=out)
             check(case, wrapper, out)
         compiled = list(wrapper._launcher._launcher.compiled.values())
-        assert [c.metadata.launch_pdl for c in compiled] == [config.pdl] * (2 if name == "early"
-                                                                          else 1)
-        outs[name] = out
-        graph_out = [torch.full_like(case.q, float("nan")) for _ in range(3)]
+        assert [c.metadata.launch_pdl for c in compiled] == [pdl]
+        outs[pdl] = out
+        graph_out = torch.full_like(case.q, float("nan"))
         q = case.q.clone()
-
-        def step():                         # a plan, then three layers' runs
-            wrapper.plan(**kwargs)
-            for o in graph_out:
-                wrapper.run(q * 1.0, case.kv_cache, out=o)
-
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            step()
+            wrapper.plan(**kwargs)
+            wrapper.run(q * 1.0, case.kv_cache, out=graph_out)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for o in graph_out:
-            o.fill_(float("nan"))
+        with torch.cuda.graph(graph):       # the kernel right after the one writing its q
+            wrapper.plan(**kwargs)
+            wrapper.run(q * 1.0, case.kv_cache, out=graph_out)
+        graph_out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for o in graph_out:
-            check(case, wrapper, o)
-            assert torch.equal(o, out)
-        assert plan.config.pdl is config.pdl
-    assert torch.equal(outs["off"], outs["on"]) and torch.equal(outs["off"], outs["early"])
+        check(case, wrapper, graph_out)
+        assert torch.equal(graph_out, out)
+        assert plan.config.pdl is pdl
+    assert torch.equal(outs[False], outs[True])

@@ -65,12 +65,10 @@ def test_fp8_every_schedule(granularity, backend):
     assert vs_fp16 < 0.1     # e4m3 keeps 3 mantissa bits: a few 1e-2 against the fp16 original
 
 
-@pytest.mark.parametrize("config", [None, KernelConfig(block_n=32, fp8_block_n=16, num_stages=2),
-                                    KernelConfig(fp8_block_n=16, fp8_registers=True)])
+@pytest.mark.parametrize("config", [None, KernelConfig(block_n=32, fp8_block_n=16, num_stages=2)])
 def test_fp8_tiles(config):
     """An fp8 cache reads config.fp8_block_n tokens per tile (the default at head dim 128: 128, the
-    fp16 tile's bytes); a tile smaller than a page and one that spans pages both match, with the
-    tiles through the compiler's pipeline or through registers (fp8_registers)."""
+    fp16 tile's bytes); a tile smaller than a page and one that spans pages both match."""
     assert default_config(head_dim=128, num_kv_heads=2).tile_tokens(kv_fp8=True) == 128
     assert default_config(head_dim=128, num_kv_heads=2).tile_tokens(kv_fp8=False) == 64
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
@@ -123,10 +121,6 @@ def test_random_fp8(data):
     rows = draw(st.integers(1, 3), label="rows")
     seq_lens = [draw(st.integers(1, 260), label="seq_len") for _ in range(rows)]
     case, heads, backend = draw_case(draw, seq_lens, groups=[1, 4, 5])
-    assert "config" not in heads
-    heads = dict(heads, config=KernelConfig(   # tiles through the pipeline or through registers
-        fp8_block_n=draw(st.sampled_from([16, 32, 64]), label="fp8_block_n"),
-        fp8_registers=draw(st.booleans(), label="fp8_registers")))
     _check(case, draw(st.sampled_from(["tensor", "token"]), label="granularity"), backend=backend,
            heads=heads, split_pages=draw(st.integers(1, 4)) if backend == "split" else None,
            table_form=draw(st.sampled_from(["csr", "block"]), label="table_form"))

@@ -15,52 +15,12 @@ def test_pdl_must_be_a_bool():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match=f"KernelConfig.pdl must be a bool, got {bad!r}"):
             KernelConfig(pdl=bad)
-        with pytest.raises(ValueError, match=f"KernelConfig.pdl_early must be a bool, got {bad!r}"):
-            KernelConfig(pdl=True, pdl_early=bad)
-    with pytest.raises(ValueError, match="pdl_early=True needs pdl=True"):
-        KernelConfig(pdl_early=True)
-
-
-def test_pdl_early_loads_only_after_a_plans_first_run(monkeypatch):
-    """The early-load variant is taken on every run() of a plan but its first (which may follow
-    the planner or the page guard directly), again after each plan(), and never for a run whose
-    page guard copies the table (a pool of another size; a checked table has no guard). (PDL
-    itself is off on the CPU, so the kernel runs without it either way.)"""
-    import persistentkv.launch as launch
-    from paged_case import csr_kwargs, make_case
-    from persistentkv.wrapper import DecodeWrapper
-
-    taken = []
-    original = launch.early_loads
-
-    def spy(plan, **kwargs):
-        taken.append(original(plan, **kwargs))
-        return taken[-1]
-
-    monkeypatch.setattr(launch, "early_loads", spy)
-    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=16, page_size=4)
-    case = make_case(seq_lens=[9, 30], **heads, layout="NHD", seed=2)
-    bigger = torch.cat([case.kv_cache, case.kv_cache[:3]])      # the same pages, and 3 more
-    wrapper = DecodeWrapper("NHD")
-    early = KernelConfig(pdl=True, pdl_early=True)
-    for config, checked, want in ((early, False, [False, True, False, True]),
-                                  (early, True, [False, True, True, True]),   # no guard
-                                  (KernelConfig(pdl=True), False, [False] * 4)):
-        for _ in range(2):
-            taken.clear()
-            wrapper.plan(**csr_kwargs(case.table), **heads, config=config,
-                         check_page_table=checked)
-            for pool in (case.kv_cache, case.kv_cache, bigger, bigger):
-                wrapper.run(case.q, pool)
-            assert taken == want, (config, taken)
 
 
 def test_pdl_suffix_parses():
     assert _pkv_variant("pkv-auto:pdl1") == ("auto", None, {"pdl": True})
     assert _pkv_variant("pkv-split@16:warps8:pdl0") == ("split", 16, {"num_warps": 8, "pdl": False})
     assert _pkv_variant("pkv-auto:pdl2") is None and _pkv_variant("pkv-auto:pdl") is None
-    assert _pkv_variant("pkv-auto:pdl1:pdlearly1") == ("auto", None, {"pdl": True,
-                                                                     "pdl_early": True})
     backends, _ = make_backends(["pkv-auto:pdl1"], layout="HND", device=torch.device("cpu"))
     assert backends[0].name == "pkv-auto:pdl1"
 
@@ -75,16 +35,13 @@ def test_layer_chain_writes_checked_results(tmp_path, capsys):
     data = json.loads((tmp_path / ("pdl.json" if ON_GPU else "pdl-functional.json")).read_text())
     assert data["environment"]["functional_only"] is not ON_GPU
     rows = {r["setting"]: r for r in data["summary"]}
-    assert set(rows) == {"pdl0", "pdl1", "pdl1-early"}
+    assert set(rows) == {"pdl0", "pdl1"}
     for r in rows.values():
         assert r["status"] == "ok" and r["layer0_error"] <= 2e-3 and r["max_layer_error"] <= 2e-3
         assert r["chain_bitwise_equal_pdl0"] and r["layers"] == 2 and r["us_per_step"] > 0
     assert rows["pdl0"]["pdl_effective"] is False
-    for name in ("pdl1", "pdl1-early"):
-        assert rows[name]["pdl_effective"] is (ON_GPU
-                                               and torch.cuda.get_device_capability() >= (9, 0))
+    assert rows["pdl1"]["pdl_effective"] is (ON_GPU and torch.cuda.get_device_capability() >= (9, 0))
     assert rows["pdl1"]["backend"] == "pkv-auto:pdl1"
-    assert rows["pdl1-early"]["backend"] == "pkv-auto:pdl1:pdlearly1"
     stem = "pdl" if ON_GPU else "pdl-functional"
     assert (tmp_path / f"{stem}.csv").read_text().startswith("case,")
 

@@ -55,10 +55,6 @@ class PageGuard:
         """A new plan() of the same tables: their values may have changed, copy them again."""
         self._done_for = None
 
-    def pending(self, num_pages: int) -> bool:
-        """Whether ensure(num_pages) would copy the table (launch the guard kernel)."""
-        return self._done_for != num_pages
-
     def ensure(self, num_pages: int) -> None:
         """Copy the table for a pool of num_pages pages, unless this plan's copy is for that pool."""
         if self._done_for == num_pages:

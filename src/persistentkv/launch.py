@@ -115,13 +115,9 @@ class DecodeLauncher:
         self._launcher = Launcher(paged_decode_kernel)
         self._prepared: dict = {}
 
-    def run(self, plan, q, kv_cache, out, return_lse: bool, sinks=None, scales=(None, None, None),
-            after_first_run: bool = False):
+    def run(self, plan, q, kv_cache, out, return_lse: bool, sinks=None, scales=(None, None, None)):
         """Launch one layer; returns (out, lse or None). scales: (k_scale, v_scale, kv_scales) of
-        an fp8 cache (run()'s arguments), all None for fp16/bf16. after_first_run: the plan has
-        run before since its plan(), so that neither the planner nor (unless it copies the table
-        again now, for another pool) the page guard is the kernel ahead: what lets
-        KernelConfig.pdl_early load ahead of the PDL wait."""
+        an fp8 cache (run()'s arguments), all None for fp16/bf16."""
         k_scale, v_scale, kv_scales = scales
         if k_scale is not None or v_scale is not None:   # per call: the values change by layer
             k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
@@ -132,8 +128,7 @@ class DecodeLauncher:
                 k, v = kv_cache
             qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
             op = 0 if out is None else out.data_ptr()
-            early = early_loads(plan, after_first_run=after_first_run, num_pages=k.shape[0])
-            sig = (plan.launch_key, early, q.shape, q.dtype, q.device, q.stride(), qp % 16,
+            sig = (plan.launch_key, q.shape, q.dtype, q.device, q.stride(), qp % 16,
                    k.shape, k.dtype, k.device, k.stride(), kp % 16,
                    None if v is k else (v.shape, v.dtype, v.device, v.stride(), vp % 16),
                    None if out is None else (out.shape, out.dtype, out.device, out.stride(), op % 16),
@@ -145,11 +140,11 @@ class DecodeLauncher:
                                                    kv_scales.device, kv_scales.stride(),
                                                    kv_scales.data_ptr() % 16))
         except (AttributeError, TypeError, ValueError):
-            sig, early = None, False
+            sig = None
         prepared = self._prepared.get(sig)
         if prepared is None:
             prepared = self._prepare(plan, q, kv_cache, out, return_lse, sinks,
-                                     k_scale is not None, kv_scales, early)
+                                     k_scale is not None, kv_scales)
             if sig is not None:
                 if len(self._prepared) > 64:   # launches of old plan bindings
                     self._prepared.clear()
@@ -178,10 +173,9 @@ class DecodeLauncher:
         return out, lse
 
     def _prepare(self, plan, q, kv_cache, out, return_lse: bool, sinks, tensor_scales: bool,
-                 kv_scales, early: bool = False) -> BoundLaunch:
+                 kv_scales) -> BoundLaunch:
         """Check run()'s arguments in full; the launch with everything but q, k, v, out, lse, the
-        page indices, qo_indptr, the sinks and the fp8 scales bound (early: PDL's early loads,
-        where PDL is on)."""
+        page indices, qo_indptr, the sinks and the fp8 scales bound."""
         from .cache import CACHE_DTYPES
         from .checks import check_same_device, check_tensor
         from .kernels.decode import decode_constexprs
@@ -238,19 +232,13 @@ class DecodeLauncher:
         fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, ws.row_lens, *strides,
                  plan.sm_scale * LOG2_E, q.shape[0], plan.window_left,
                  plan.logits_soft_cap or 1.0)
-        # the fp8 register path only with the pair conversion (without, on sm_80, it spills) or
-        # under the interpreter (which tests its prefetch order)
-        pairs = fp8 and converts_e4m3_pairs(q.device)
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
             head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.tile_tokens(kv_fp8=fp8),
             return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(plan.config, q.device),
-            pdl_early=early,
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
-            sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
-            fp8_registers=plan.config.fp8_registers and (pairs or interpreting()),
-            fp8_pairs=pairs)
+            sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
@@ -269,14 +257,6 @@ class DecodeLauncher:
 LOG2_E = 1.4426950408889634
 
 
-def early_loads(plan, *, after_first_run: bool, num_pages: int) -> bool:
-    """Whether this run() takes KernelConfig.pdl_early's loads ahead of the PDL wait: asked for,
-    not the plan's first run (which may follow the planner directly), and the page guard not
-    copying the table now (for a pool of num_pages pages it has not copied for)."""
-    return (plan.config.pdl_early and after_first_run
-            and (plan.guard is None or not plan.guard.pending(num_pages)))
-
-
 def use_pdl(config, device: torch.device) -> bool:
     """Whether the decode kernel is compiled and launched with programmatic dependent launch:
     config.pdl, on a GPU of compute capability 9.0 or later (never under the interpreter, which
@@ -284,14 +264,6 @@ def use_pdl(config, device: torch.device) -> bool:
     return (config.pdl and not interpreting() and device.type == "cuda"
             and _capability(device.index if device.index is not None
                             else torch.cuda.current_device()) >= (9, 0))
-
-
-def converts_e4m3_pairs(device: torch.device) -> bool:
-    """Whether the decode kernel can convert e4m3 pairs with cvt.rn.f16x2.e4m3x2: a GPU of compute
-    capability 8.9 or later (not Triton's interpreter, which runs no inline assembly)."""
-    return (not interpreting() and device.type == "cuda"
-            and _capability(device.index if device.index is not None
-                            else torch.cuda.current_device()) >= (8, 9))
 
 
 @functools.lru_cache(maxsize=None)

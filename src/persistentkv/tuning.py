@@ -25,17 +25,7 @@ class KernelConfig:
     (docs/perf-notes.md, v4). pdl: programmatic dependent launch (compute capability 9.0+; off
     under the interpreter and on older GPUs): the kernel is launched so that it may start while the
     kernel before it on the stream finishes, and waits for that kernel's writes (griddepcontrol.wait)
-    before its first load; off by default, measured by `persistentkv layer-chain`. pdl_early
-    (with pdl): every run() of a plan but its first loads its first item's task record and pages
-    and prefetches that item's first two tiles of K/V into L2 ahead of the wait (the planner and
-    the page guard ran at or before the first run; q, the claims and the stores still wait; it
-    assumes the kernels ahead are launched without PDL, as torch's are); off by default, not yet
-    measured.
-    fp8_registers: an fp8 cache's tiles are loaded into registers one tile ahead of their use
-    (instead of through the compiler's shared-memory pipeline) and, on sm_89 and newer, converted
-    there to fp16 two values per instruction, so that they reach the MMAs as 16-bit tiles
-    (docs/perf-notes.md, v16; on older GPUs, without that conversion, the pipelined path runs);
-    off by default, not yet measured.
+    before its first load; off by default, measured by `persistentkv layer-chain`.
     """
 
     block_n: int = 64
@@ -47,8 +37,6 @@ class KernelConfig:
     programs_per_sm: int = 2
     one_round: bool = True
     pdl: bool = False
-    pdl_early: bool = False
-    fp8_registers: bool = False
 
     def tile_tokens(self, *, kv_fp8: bool) -> int:
         """Tokens per K/V tile for a cache of this kind."""
@@ -65,12 +53,8 @@ class KernelConfig:
                 continue
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
-        for name in ("one_round", "pdl", "pdl_early", "fp8_registers"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.pdl_early and not self.pdl:
-            raise ValueError("KernelConfig.pdl_early=True needs pdl=True (its loads go ahead of "
-                             "the PDL wait)")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"KernelConfig.pdl must be a bool, got {self.pdl!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 

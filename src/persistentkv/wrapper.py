@@ -74,7 +74,6 @@ class DecodeWrapper:
         self._launcher = DecodeLauncher(self.kv_layout)
         self._options: dict[tuple, PlanOptions] = {}
         self._plan: DecodePlan | None = None
-        self._runs_since_plan = 0      # run()s of the current plan (PDL's early loads: launch.py)
 
     @property
     def policy(self) -> Policy | None:
@@ -197,7 +196,6 @@ class DecodeWrapper:
                     tile_queries=None if self.max_queries_per_row == 1 else self.max_queries_per_row)
             plan = self._planner.plan(tensors, table, options, queries)
         self._plan = plan
-        self._runs_since_plan = 0
         return plan
 
     def run(self, q: torch.Tensor, kv_cache, *, out: torch.Tensor | None = None,
@@ -226,9 +224,7 @@ class DecodeWrapper:
             return traced_decode(plan, q, kv_cache, out, return_lse, sinks,
                                  (k_scale, v_scale, kv_scales), kv_layout=self.kv_layout)
         out, lse = self._launcher.run(plan, q, kv_cache, out, return_lse, sinks,
-                                      (k_scale, v_scale, kv_scales),
-                                      after_first_run=self._runs_since_plan > 0)
-        self._runs_since_plan += 1
+                                      (k_scale, v_scale, kv_scales))
         return (out, lse) if return_lse else out
 
 

@@ -30,9 +30,7 @@ from .runner import ModelShape
 L2_BYTES = 60 << 20          # the H200's L2: all layers' pools together must exceed it
 FUNCTIONAL = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 FUNCTIONAL_RUN = dict(batch=2, context=40, layers=2)
-# (name, KernelConfig fields): PDL off, on with its wait first, on with loads ahead of the wait
-SETTINGS = (("pdl0", dict(pdl=False)), ("pdl1", dict(pdl=True)),
-            ("pdl1-early", dict(pdl=True, pdl_early=True)))
+SETTINGS = (("pdl0", False), ("pdl1", True))
 
 
 @dataclasses.dataclass
@@ -190,8 +188,8 @@ def run_layer_chain(*, device: torch.device, shape: ModelShape, batch: int = 8,
     base = default_config(head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads)
     hidden = shape.num_qo_heads * shape.head_dim
     runs = []
-    for name, fields in SETTINGS:
-        config = dataclasses.replace(base, **fields)
+    for name, pdl in SETTINGS:
+        config = dataclasses.replace(base, pdl=pdl)
         wrapper = DecodeWrapper(shape.layout)
 
         def nan(*size):
@@ -249,8 +247,7 @@ def run_layer_chain(*, device: torch.device, shape: ModelShape, batch: int = 8,
         us = statistics.median(ts)
         summary.append({
             "case": f"B{batch} L{context}", "setting": run["name"],
-            "backend": "pkv-auto" + (":pdl1" if run["config"].pdl else "")
-                       + (":pdlearly1" if run["config"].pdl_early else ""), "status": status,
+            "backend": "pkv-auto" + (":pdl1" if run["config"].pdl else ""), "status": status,
             "note": note, "pdl_effective": run["pdl_effective"], "layers": layers,
             "batch": batch, "context": context, "replays": len(ts), "us_per_step": us,
             "us_per_layer": us / layers, "ratio_vs_pdl0": us / off_us,
@@ -268,7 +265,7 @@ def run_layer_chain(*, device: torch.device, shape: ModelShape, batch: int = 8,
     env["options"] = {"batch": batch, "context": context, "layers": layers, "replays": replays,
                       "seed": seed, "plan": "captured in the step's graph, once per step",
                       "timing": "eager, perf_counter" if functional else
-                      "CUDA events around each graph replay, the settings in turn"}
+                      "CUDA events around each graph replay, pdl0 and pdl1 alternating"}
     env["pools_mb"] = chain.pool_bytes / 1e6
     env["pools_exceed_l2"] = chain.pool_bytes > L2_BYTES
     if device.type == "cuda":

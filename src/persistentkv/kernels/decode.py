@@ -29,93 +29,18 @@ def _tanh(x):
 
 
 @triton.jit
-def _load_e4m3_words(base, offs, valid, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
-    """The [BLOCK_N, D_PAD // 2] 16-bit words (two e4m3 values each) of the tile at base + offs[n]
-    + d (offs even, in elements)."""
-    offs_w = tl.arange(0, D_PAD // 2)
-    return tl.load(base.to(tl.pointer_type(tl.int16)) + (offs // 2)[:, None] + offs_w[None, :],
-                   mask=valid[:, None] & (offs_w < HEAD_DIM // 2)[None, :], other=0)
-
-
-@triton.jit
-def _e4m3_words_to_f16(words, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
-    """[N, D_PAD // 2] words -> the [N, D_PAD] fp16 tile, one cvt.rn.f16x2.e4m3x2 per word (sm_89
-    and newer), in the layout the words were loaded in: the MMAs then read a 16-bit tile through
-    shared memory with ldmatrix, where an 8-bit tile goes there byte by byte."""
-    lo, hi = tl.inline_asm_elementwise(
-        "{ .reg .b32 t; cvt.rn.f16x2.e4m3x2 t, $2; mov.b32 {$0, $1}, t; }",
-        "=h,=h,h", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    return tl.reshape(tl.join(lo, hi), [BLOCK_N, D_PAD])   # the low byte is the even element
-
-
-@triton.jit
-def _load_fp8_tile(k_base, v_base, scales_base, page, tok, valid, stride_page, stride_tok, offs_d,
-                   d_mask, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr, WORDS: tl.constexpr):
-    """An e4m3 tile of tokens tok (on pages `page`): (k, v, k_sc, v_sc), K/V [N, D_PAD] e4m3 or
-    (WORDS) [N, D_PAD // 2] 16-bit words, their per-token scales [N] (TOKEN_SCALES; else 1.0)."""
-    offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
-    if WORDS:
-        k = _load_e4m3_words(k_base, offs, valid, HEAD_DIM, D_PAD)
-        v = _load_e4m3_words(v_base, offs, valid, HEAD_DIM, D_PAD)
-    else:
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    k_sc = 1.0
-    v_sc = 1.0
-    if TOKEN_SCALES:
-        s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE
-        k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)
-        v_sc = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)
-    return k, v, k_sc, v_sc
-
-
-@triton.jit
-def _tile_step(acc, m_i, l_i, q, k, v, k_sc, v_sc, tok, valid, limit, lower, scale_log2,
-               soft_cap, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-               UPCAST: tl.constexpr, KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr):
-    """One K/V tile ([N, D], of tokens tok) into the state (acc, m_i, l_i); _attend_range's
-    arguments."""
-    if UPCAST:
-        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        v = v.to(tl.float32)
-    elif KV_FP8:
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)))
-        v = v.to(q.dtype)
-    else:
-        scores = tl.dot(q, tl.trans(k))
-    if TOKEN_SCALES:
-        scores = scores * k_sc[None, :]
-    if SOFT_CAP:   # base 2: soft_cap * log2(e) * tanh(sm_scale * q.k / soft_cap)
-        scores = (soft_cap * LOG2_E) * _tanh(scores * (scale_log2 / (LOG2_E * soft_cap)))
-    else:
-        scores = scores * scale_log2
-    if CAUSAL:
-        scores = tl.where(tok[None, :] <= limit[:, None], scores, -1e30)
-    if WINDOW:
-        scores = tl.where(tok[None, :] >= lower[:, None], scores, -1e30)
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    return online_softmax_step(acc, m_i, l_i, scores, v, v_sc, TOKEN_SCALES)
-
-
-@triton.jit
 def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
                   lower, stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
-                  G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr,
-                  KV_FP8: tl.constexpr, TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr,
-                  FP8_REGS: tl.constexpr, FP8_PAIRS: tl.constexpr):
+                  G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+                  TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr):
     """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi).
 
     CAUSAL: tile row r sees positions <= limit[r] only; WINDOW: positions >= lower[r] only.
     KV_FP8: K/V are e4m3, converted to q's dtype per tile; TOKEN_SCALES: each token's K and V
     rows have their own scale (scales fp32 [pages, 2, Hkv, PAGE_SIZE], scales_base at this KV
-    head's K scales, V's SCALE_KV further). FP8_REGS (with KV_FP8): each tile's K/V are loaded
-    into registers one tile ahead instead of through the compiler's shared-memory pipeline, and
-    (FP8_PAIRS, sm_89 and newer) converted there to fp16 two values per instruction
-    (_e4m3_words_to_f16), so that the tile reaches the MMAs as a 16-bit one.
+    head's K scales, V's SCALE_KV further).
     SOFT_CAP: scores s = soft_cap * tanh(s / soft_cap) (s = sm_scale * q.k). A hidden score is
     -1e30, not -inf, so that a tile hiding a whole row stays finite; a row that sees none of
     [tok_lo, tok_hi) holds garbage, which the caller drops (its lse is set to -inf)."""
@@ -128,50 +53,41 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     # tiles deep (with the index load inside the iteration it could only wait for all of them).
     tok = tok_lo + offs_n
     page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=tok < tok_hi, other=0)
-    if FP8_REGS:
-        # tile i + 1's K/V (and scales) are loaded at the top of iteration i, tile i + 2's pages
-        k_next, v_next, k_sc_next, v_sc_next = _load_fp8_tile(
-            k_base, v_base, scales_base, page, tok, tok < tok_hi, stride_page, stride_tok, offs_d,
-            d_mask, HEAD_DIM, D_PAD, PAGE_SIZE, TOKEN_SCALES, SCALE_KV, FP8_PAIRS)
+    for start in tl.range(tok_lo, tok_hi, BLOCK_N):
+        tok = start + offs_n
+        valid = tok < tok_hi
+        offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
+        if TOKEN_SCALES:          # the tile's scale slots, from its page (before `page` moves on)
+            s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE                    # [N]
         nxt = tok + BLOCK_N
         page = tl.load(indices_ptr + page_start + nxt // PAGE_SIZE, mask=nxt < tok_hi, other=0)
-        for start in tl.range(tok_lo, tok_hi, BLOCK_N, num_stages=1):
-            tok = start + offs_n
-            valid = tok < tok_hi
-            k, v, k_sc, v_sc = k_next, v_next, k_sc_next, v_sc_next
-            nxt = tok + BLOCK_N
-            k_next, v_next, k_sc_next, v_sc_next = _load_fp8_tile(
-                k_base, v_base, scales_base, page, nxt, nxt < tok_hi, stride_page, stride_tok,
-                offs_d, d_mask, HEAD_DIM, D_PAD, PAGE_SIZE, TOKEN_SCALES, SCALE_KV, FP8_PAIRS)
-            after = nxt + BLOCK_N
-            page = tl.load(indices_ptr + page_start + after // PAGE_SIZE, mask=after < tok_hi,
-                           other=0)
-            if FP8_PAIRS:
-                k = _e4m3_words_to_f16(k, BLOCK_N, D_PAD)
-                v = _e4m3_words_to_f16(v, BLOCK_N, D_PAD)
-            acc, m_i, l_i = _tile_step(acc, m_i, l_i, q, k, v, k_sc, v_sc, tok, valid, limit,
-                                       lower, scale_log2, soft_cap, CAUSAL, WINDOW, SOFT_CAP,
-                                       UPCAST, KV_FP8, TOKEN_SCALES)
-    else:
-        for start in tl.range(tok_lo, tok_hi, BLOCK_N):
-            tok = start + offs_n
-            valid = tok < tok_hi
-            offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok
-            if TOKEN_SCALES:      # the tile's scale slots, from its page (before `page` moves on)
-                s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE                # [N]
-            nxt = tok + BLOCK_N
-            page = tl.load(indices_ptr + page_start + nxt // PAGE_SIZE, mask=nxt < tok_hi, other=0)
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            k_sc = 1.0
-            v_sc = 1.0
-            if TOKEN_SCALES:
-                k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)                 # [N]
-                v_sc = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)      # [N]
-            acc, m_i, l_i = _tile_step(acc, m_i, l_i, q, k, v, k_sc, v_sc, tok, valid, limit,
-                                       lower, scale_log2, soft_cap, CAUSAL, WINDOW, SOFT_CAP,
-                                       UPCAST, KV_FP8, TOKEN_SCALES)
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v_sc = 1.0
+        if TOKEN_SCALES:
+            k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)                     # [N]
+            v_sc = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)          # [N]
+        if UPCAST:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            v = v.to(tl.float32)
+        elif KV_FP8:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)))
+            v = v.to(q.dtype)
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        if TOKEN_SCALES:
+            scores = scores * k_sc[None, :]
+        if SOFT_CAP:   # base 2: soft_cap * log2(e) * tanh(sm_scale * q.k / soft_cap)
+            scores = (soft_cap * LOG2_E) * _tanh(scores * (scale_log2 / (LOG2_E * soft_cap)))
+        else:
+            scores = scores * scale_log2
+        if CAUSAL:
+            scores = tl.where(tok[None, :] <= limit[:, None], scores, -1e30)
+        if WINDOW:
+            scores = tl.where(tok[None, :] >= lower[:, None], scores, -1e30)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v, v_sc, TOKEN_SCALES)
     return acc, m_i, l_i
 
 
@@ -199,7 +115,7 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                 TOKEN_SCALES: tl.constexpr, FP8_REGS: tl.constexpr, FP8_PAIRS: tl.constexpr):
+                 TOKEN_SCALES: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row.
 
     Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
@@ -227,9 +143,8 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                                   kv_scales_ptr + kv_head * PAGE_SIZE, indices_ptr,
                                   page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
                                   stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
-                                  G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1, WINDOW,
-                                  SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES, NUM_KV_HEADS * PAGE_SIZE,
-                                  FP8_REGS, FP8_PAIRS)
+                                  G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1, WINDOW, SOFT_CAP,
+                                  UPCAST, KV_FP8, TOKEN_SCALES, NUM_KV_HEADS * PAGE_SIZE)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:                              # and a per-tensor V scale into the output
@@ -386,30 +301,6 @@ def _load_task(tasks_ptr, record, valid):
             tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=-1))
 
 
-@triton.jit
-def _prefetch_first_tiles(k_base, v_base, indices_ptr, page_start, tok_lo, tok_hi, stride_page,
-                          stride_tok, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, TOKENS: tl.constexpr,
-                          ELEM_BYTES: tl.constexpr):
-    """Prefetch into L2 (prefetch.global.L2, one per 128-byte line) the K/V rows of a task's first
-    TOKENS tokens: the loads after griddepcontrol.wait then find them there. L2 only: it is
-    coherent with a kernel still writing a token's K/V, where registers or L1 would not be."""
-    LINE: tl.constexpr = 128 // ELEM_BYTES          # elements per line
-    LINES: tl.constexpr = (D_PAD * ELEM_BYTES + 127) // 128   # a power of two, as D_PAD
-    tok = tok_lo + tl.arange(0, TOKENS)
-    valid = tok < tok_hi
-    page = tl.load(indices_ptr + page_start.to(tl.int64) + tok // PAGE_SIZE, mask=valid, other=0)
-    rows = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [T]
-    lines = tl.arange(0, LINES) * LINE
-    offs = rows[:, None] + lines[None, :]
-    on = (valid[:, None] & (lines < HEAD_DIM)[None, :]).to(tl.int32)
-    for base in tl.static_range(2):
-        ptrs = (k_base if base == 0 else v_base) + offs
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["num_q_rows", "window_left"])
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr,
                         sinks_ptr, kv_scales_ptr, k_scale, v_scale,
@@ -422,14 +313,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                        TOKEN_SCALES: tl.constexpr, FP8_REGS: tl.constexpr,
-                        FP8_PAIRS: tl.constexpr, PDL: tl.constexpr, PDL_EARLY: tl.constexpr):
+                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
     (KV_FP8): K = k_scale * K8 and V = v_scale * V8, or (TOKEN_SCALES) per token and KV head
-    from kv_scales fp32 [pages, 2, Hkv, PAGE_SIZE] (k_scale = v_scale = 1); FP8_REGS and FP8_PAIRS:
-    how its tiles are loaded and converted (_attend_range).
+    from kv_scales fp32 [pages, 2, Hkv, PAGE_SIZE] (k_scale = v_scale = 1).
 
     tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
     the task count at 0, the claim counter at 3 and a balanced plan's chunk count at 5. Items
@@ -445,12 +334,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     PDL (launched with programmatic dependent launch): the kernel may start before the one ahead
     of it on the stream has finished; it waits for that kernel's writes first of all
     (griddepcontrol.wait), so that every load, the task records' included, sees them.
-    PDL_EARLY (with PDL; never a plan's first run: launch.py decides): the first item's task record,
-    the step's counts and the item's first pages are read before the wait, and its first tiles'
-    K/V prefetched into L2; q, the claims and every store wait. Neither the planner nor the page
-    guard is then the kernel ahead, and both ran at or before the plan's first run.
     """
-    if PDL and not PDL_EARLY:
+    if PDL:
         tl.extra.cuda.gdc_wait()
     programs = tl.num_programs(0)
     item = tl.program_id(0)
@@ -460,13 +345,6 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         tasks_ptr, item // NUM_KV_HEADS, True)
     num_items = tl.load(info_ptr) * NUM_KV_HEADS
     chained = tl.load(info_ptr + 5) * NUM_KV_HEADS
-    if PDL_EARLY:   # the first item's first tiles (none for a program without an item)
-        head_off = kv_head * stride_head
-        last = tl.where(item < tl.where(chained > 0, chained, num_items), tok_hi, tok_lo)
-        _prefetch_first_tiles(k_ptr + head_off, v_ptr + stride_kv + head_off, indices_ptr,
-                              page_start, tok_lo, last, stride_page, stride_tok, HEAD_DIM, D_PAD,
-                              PAGE_SIZE, 2 * BLOCK_N, 1 if KV_FP8 else 2)
-        tl.extra.cuda.gdc_wait()
     if (chained > 0) | (num_items <= programs):
         # One round: each program its item and, in a balanced plan, the rest of its chunk; no
         # claims. The first item is straight-line code: measured 0.6-1.0 us faster per launch on
@@ -480,7 +358,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, FP8_REGS, FP8_PAIRS)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
@@ -492,8 +370,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                              num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
                              G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
-                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, FP8_REGS,
-                             FP8_PAIRS)
+                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
@@ -505,7 +382,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, FP8_REGS, FP8_PAIRS)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
@@ -516,24 +393,17 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
                       return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
                       soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
-                      token_scales: bool = False, fp8_registers: bool = False,
-                      fp8_pairs: bool = False, pdl: bool = False,
-                      pdl_early: bool = False) -> dict:
+                      token_scales: bool = False, pdl: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
-    kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head; fp8_registers: its
-    tiles loaded into registers one ahead (no shared-memory pipeline), fp8_pairs: and converted
-    two values per instruction (sm_89+, not the interpreter: launch.py decides); pdl: the kernel
+    kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head; pdl: the kernel
     waits for the previous kernel's writes (launched with launch_pdl=True; compute capability
-    9.0+, never under the interpreter: launch.use_pdl decides); pdl_early (with pdl): some loads
-    and L2 prefetches go ahead of the wait."""
+    9.0+, never under the interpreter: launch.use_pdl decides)."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
                 G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
-                TOKEN_SCALES=token_scales, FP8_REGS=kv_fp8 and fp8_registers,
-                FP8_PAIRS=kv_fp8 and fp8_registers and fp8_pairs, PDL=pdl,
-                PDL_EARLY=pdl and pdl_early)
+                TOKEN_SCALES=token_scales, PDL=pdl)
