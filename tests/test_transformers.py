@@ -297,10 +297,10 @@ def test_e2e_run_of_a_tiny_model(tmp_path):
 def test_e2e_run_of_a_tiny_gpt_oss(tmp_path):
     """The command on a model with window layers and sinks, against paged|eager (paged|sdpa
     refuses gpt-oss): the teacher-forced check agrees on every scored position."""
-    from persistentkv.bench.e2e import REFERENCE, run_e2e
+    from persistentkv.bench.e2e import reference_impl, run_e2e
 
     rows = run_e2e(model_name="tiny-gpt-oss", requests=[3], mean_prompt=20, new_tokens=4,
-                   impls=[REFERENCE["tiny-gpt-oss"], NAME], device=DEVICE, out_dir=tmp_path,
+                   impls=[reference_impl("tiny-gpt-oss"), NAME], device=DEVICE, out_dir=tmp_path,
                    tag="g")
     assert [r["impl"] for r in rows] == ["paged|eager", NAME] and rows[1]["error"] is None
     assert rows[1]["tf_scored_requests"] == 3 and rows[1]["tf_top1_agreement"] == 1.0

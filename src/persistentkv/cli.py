@@ -196,10 +196,10 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     device = choose_device()
     import torch
 
-    from .bench.e2e import REFERENCE, run_e2e
+    from .bench.e2e import reference_impl, run_e2e
 
     model = args.model or ("llama3-8b" if device == "cuda" else "tiny")
-    reference = REFERENCE.get(model, "paged|sdpa")
+    reference = reference_impl(model)
     impls = args.impls or (f"{reference},paged|persistentkv" if device == "cuda"
                            or reference != "paged|sdpa"
                            else "paged|sdpa,paged|eager,paged|persistentkv")

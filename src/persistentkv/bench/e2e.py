@@ -88,9 +88,14 @@ MODELS = {   # name: (transformers config class, its arguments)
                                             num_experts_per_tok=2, sliding_window=8,
                                             max_position_embeddings=4096)),
 }
-# the first implementation of a run (its reference) when --impls is not given: transformers'
-# paged|sdpa, or paged|eager where paged|sdpa refuses the model (gpt-oss, for its sinks)
-REFERENCE = {"gpt-oss-20b": "paged|eager", "tiny-gpt-oss": "paged|eager"}
+
+
+def reference_impl(name: str) -> str:
+    """The first implementation of a run (its reference) when --impls is not given:
+    transformers' paged|sdpa, or paged|eager where paged|sdpa refuses the model (gpt-oss)."""
+    return "paged|eager" if MODELS[name][0] == "GptOssConfig" else "paged|sdpa"
+
+
 AGREEMENT_TOKENS = 32
 WARMUP_TOKENS = 2
 PROFILE_TOKENS = 8   # new tokens of the profiled run (at most --new-tokens)
