@@ -17,6 +17,7 @@ from persistentkv.cli import main
 from persistentkv.policy import Policy, StepFeatures, fit_policy
 from persistentkv.runtime import sm_count
 from persistentkv.schedule import Choice
+from persistentkv.tuning import KernelConfig
 
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 OPTS = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1)
@@ -221,6 +222,10 @@ def test_config_variants_are_checked_like_the_defaults():
             make_backends([bad], layout="HND", device=device)
     with pytest.raises(ValueError, match="KernelConfig.num_warps must be a positive int, got 0"):
         make_backends(["pkv-split:warps0"], layout="HND", device=device)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=re.escape(
+                f"KernelConfig.balanced_from_tokens must be an int >= 0, got {bad!r}")):
+            KernelConfig(balanced_from_tokens=bad)
 
 
 def test_static_batch_with_several_query_tokens_per_row():

@@ -57,11 +57,13 @@ def documented_split(lens, *, page_size: int, num_kv_heads: int, config: KernelC
 def documented_plan(lens, *, page_size: int, num_kv_heads: int, config: KernelConfig,
                     sms: int = SMS) -> tuple[Choice, int]:
     """schedule.py's default rule: (Choice("split"), split tokens) when the split rule's tasks
-    fit in one round, else (Choice("balanced"), chunk tokens)."""
+    fit in one round and their split is under balanced_from_tokens (0: any split), else
+    (Choice("balanced"), chunk tokens)."""
     split = documented_split(lens, page_size=page_size, num_kv_heads=num_kv_heads, config=config,
                              sms=sms)
     target = max(1, int(config.waves * sms / num_kv_heads))
-    if sum(cdiv(int(n), split) for n in lens if n > 0) <= target:
+    short = not config.balanced_from_tokens or split < config.balanced_from_tokens
+    if sum(cdiv(int(n), split) for n in lens if n > 0) <= target and short:
         return Choice("split"), split
     return Choice("balanced"), page_size * documented_chunk_pages(
         lens, page_size=page_size, num_kv_heads=num_kv_heads, config=config, sms=sms)
@@ -230,13 +232,17 @@ def test_even_splits_keep_the_task_count():
     B4 x 128K with one_round is 8 splits of 16K per row (32 tasks), not 9 of 15.9K (36, a second
     round of 3); without one_round those 36 tasks would take two rounds, so the default rule
     plans 33 balanced chunks of 993 pages instead (and 3 rows that start inside a chunk: 36
-    tasks, one round)."""
+    tasks, one round). The split rule's 16K split is long: with balanced_from_tokens at 16K
+    (the default) the default rule plans those chunks too; at 0 it keeps the splits."""
     waves = 33 * 8 / SMS
-    for lens, one_round, choice, split, tasks in (
-            ([1024] * 4, False, Choice("split"), 128, 32),
-            ([131072] * 4, True, Choice("split"), 16384, 32),
-            ([131072] * 4, False, Choice("balanced"), 993 * 16, 36)):
-        config = KernelConfig(waves=waves, one_round=one_round, programs_per_sm=PPS_33)
+    for lens, one_round, long_from, choice, split, tasks in (
+            ([1024] * 4, False, 16384, Choice("split"), 128, 32),
+            ([131072] * 4, True, 0, Choice("split"), 16384, 32),
+            ([131072] * 4, True, 16384, Choice("balanced"), 993 * 16, 36),
+            ([131072] * 4, True, 16400, Choice("split"), 16384, 32),
+            ([131072] * 4, False, 0, Choice("balanced"), 993 * 16, 36)):
+        config = KernelConfig(waves=waves, one_round=one_round, programs_per_sm=PPS_33,
+                              balanced_from_tokens=long_from)
         plan, starts = plan_for(lens, num_kv_heads=8, config=config)
         info, _ = check_tasks(plan, lens, starts, 16)
         assert (info["choice"], info["split_tokens"], info["num_tasks"]) == (choice, split, tasks)
@@ -249,11 +255,12 @@ def test_even_splits_keep_the_task_count():
 def test_one_round_fits_the_target_when_the_split_grows_little(lens):
     """one_round grows the balanced split to fit the target, by at most ONE_ROUND_SLACK: uniform
     long rows fit; a long row among many short ones does not, and is planned in balanced
-    chunks."""
+    chunks (balanced_from_tokens off: the split rule alone)."""
     waves = 33 * 8 / SMS
     plans = {}
     for one_round in (False, True):
-        config = KernelConfig(waves=waves, one_round=one_round, programs_per_sm=PPS_33)
+        config = KernelConfig(waves=waves, one_round=one_round, programs_per_sm=PPS_33,
+                              balanced_from_tokens=0)
         plan, starts = plan_for(lens, num_kv_heads=8, config=config)
         info, _ = check_tasks(plan, lens, starts, 16)
         plans[one_round] = info["choice"], info["split_tokens"], info["num_tasks"]
@@ -341,7 +348,9 @@ def steps(draw):
     config = KernelConfig(min_split_tokens=draw(st.sampled_from([16, 128]), label="min_split"),
                           waves=draw(st.sampled_from([0.5, 2.0, 8.0]), label="waves"),
                           one_round=draw(st.booleans(), label="one_round"),
-                          programs_per_sm=draw(st.sampled_from([1, 2, 3]), label="programs_per_sm"))
+                          programs_per_sm=draw(st.sampled_from([1, 2, 3]), label="programs_per_sm"),
+                          balanced_from_tokens=draw(st.sampled_from([0, 64, 16384]),
+                                                    label="balanced_from_tokens"))
     return dict(lens=lens, page_size=page, backend="split" if choice == "split@n" else choice,
                 split_pages=split_pages, config=config,
                 num_kv_heads=draw(st.sampled_from([1, 2, 8]), label="num_kv_heads"),

@@ -272,6 +272,7 @@ class Planner:
         codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
         fixed_tail = (choice.code() if dense is None else 0, target, chunks, cfg.min_split_tokens,
+                      cfg.balanced_from_tokens,
                       whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
                       WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
         return codes, target, chunks, (edges, table, fixed_tail, dense is not None)

@@ -28,11 +28,15 @@ program runs exactly one chunk, and no program reads more than C pages: one roun
 the lengths.
 
 The default rule (Choice("split"), and what "auto" runs where no policy applies): the split
-rule's tasks when they fit in one round (config.waves x SMs), else balanced chunks. Where the
+rule's tasks when they fit in one round (config.waves x SMs) and their split is under
+config.balanced_from_tokens, else balanced chunks. Where the
 split rule needs more rounds, balanced chunks measured 4-14% faster (B32 of 0.4K-32K rows at one
 KV head: 264 chunks of 142 pages, 83 us, against 3.8 rounds of 38-page splits, 96 us); where it
 fits one round, it measured up to 10% faster than chunks, whose tasks that span two rows run one
-after the other in one program (docs/perf-notes.md, v7).
+after the other in one program (docs/perf-notes.md, v7). Where the split rule's tasks are long
+(16K tokens and up: B4 x 128K, B8 x 128K, B32 x 32K at 8 KV heads), they are one round of fewer
+tasks than programs (B32 x 32K: 256 whole rows on 264 programs), and chunks, one per program,
+measured about 1% faster (v7's grid; docs/perf-notes.md, v17).
 """
 from __future__ import annotations
 

@@ -16,7 +16,10 @@ class KernelConfig:
     num_warps, num_stages: Triton's launch options (num_stages is the
     software-pipelining depth of the token loop); waves: target (row, KV head, split) tasks per SM
     when the split size is chosen; min_split_tokens: smallest split worth a task of its own;
-    programs_per_sm: persistent programs per SM of the decode kernel; one_round: the balanced split
+    programs_per_sm: persistent programs per SM of the decode kernel; balanced_from_tokens: the
+    default rule plans balanced chunks, not the split rule's tasks, where the split rule's split is
+    at least this many tokens (0: only where its tasks overflow a round; schedule.py);
+    one_round: the balanced split
     grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
     target, instead of each row's last, partial split overflowing it by up to one task per row
     (schedule.default_split_pages). Together (2 programs per SM, waves 2): one task per program on
@@ -35,6 +38,7 @@ class KernelConfig:
     waves: float = 2.0
     min_split_tokens: int = 128
     programs_per_sm: int = 2
+    balanced_from_tokens: int = 16384
     one_round: bool = True
     pdl: bool = False
 
@@ -47,6 +51,10 @@ class KernelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
+        if isinstance(self.balanced_from_tokens, bool) or not isinstance(self.balanced_from_tokens, int) \
+                or self.balanced_from_tokens < 0:
+            raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, "
+                             f"got {self.balanced_from_tokens!r}")
         for name in ("block_n", "fp8_block_n"):
             value = getattr(self, name)
             if value is None and name == "fp8_block_n":

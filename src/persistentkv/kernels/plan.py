@@ -108,14 +108,14 @@ def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pag
 
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
                                "task_capacity", "choice", "target_tasks", "chunk_target",
-                               "min_split_tokens",
+                               "min_split_tokens", "balanced_from_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins",
                                "window_tokens"])
 def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
                 block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
                 task_capacity,
-                choice, target_tasks, chunk_target, min_split_tokens, whole_row_min_rows,
-                whole_row_slack, one_round_slack, n_len_bins, n_spread_bins, window_tokens,
+                choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
+                whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins, window_tokens,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
                 EDGES: tl.constexpr):
@@ -132,8 +132,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     length), and the step's features, the split rule and the tasks see window tokens only.
     Choice code (POLICY: from the decision table, else `choice`): -2 balanced chunks of about
     total / chunk_target pages, -1 whole rows, n > 0 splits of n pages, 0 the default rule: the
-    split rule's splits when their tasks fit in target_tasks, else balanced chunks (info[2] says
-    which: 0 or -2).
+    split rule's splits when their tasks fit in target_tasks and the split is under
+    balanced_from_tokens (when > 0), else balanced chunks (info[2] says which: 0 or -2).
     Task order (split and grouped): every row's splits but its last (all of the split size) in
     row order, then the rows' last splits, longest first; each record's `next` is -1. Balanced:
     record c < info[5] starts chunk c, and each record's `next` links the chunk's further tasks.
@@ -171,9 +171,11 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
                         ONE_ROUND_STEPS)
     split = tl.where(code > 0, code * PAGE_SIZE, split)
     split = tl.where(code < 0, tl.maximum(tl.cdiv(max_len, PAGE_SIZE), 1) * PAGE_SIZE, split)
-    # the default rule: the split rule's tasks when they fit in one round, else balanced chunks
+    # the default rule: the split rule's tasks when they fit in one round and are short enough,
+    # else balanced chunks
     over = tl.sum(tl.where(active, tl.cdiv(lens, split), 0), axis=0) > target_tasks
-    code = tl.where((code == 0) & over, BALANCED, code)
+    long_split = (balanced_from_tokens > 0) & (split >= balanced_from_tokens)
+    code = tl.where((code == 0) & (over | long_split), BALANCED, code)
     mine = offs == row
     my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
     my_start = tl.sum(tl.where(mine, lo, 0), axis=0)
