@@ -13,8 +13,10 @@
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
 # 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
-# with and without it; d512: head dim 512's tiles; e2e: transformers end to end (llama3-8b at 128 requests of about 4K-token prompts, its
-# 32 being v15's, qwen2.5-7b at 32 and 128, gpt-oss-20b at 32 of about 1K, with the profile).
+# with and without it; d512: head dim 512's tiles; e2e: transformers end to end, each run
+# "model requests mean-prompt [flags]" of $E2E_RUNS (default qwen2.5-7b at 128 requests of about
+# 4K-token prompts without the teacher-forced run, about 310 s, and gpt-oss-20b at 32 of about 1K
+# with the profile; llama3-8b's 32 and 128 and qwen2.5-7b's 32 are measured, BENCHMARKS.md v17).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
 out=${OUT_DIR:-results/$gpu}
@@ -96,14 +98,15 @@ for step in $steps; do
                  --head-dim 512 --backends pkv-auto,pkv-auto:blockn32:warps8:stages2,pkv-auto:blockn32:warps8:stages3,fi-tensor-core \
                  --out "$out" --tag d512-tiles > "$out/d512-log.txt" 2>&1; tail -1 "$out/d512-log.txt" ;;
     e2e)       mkdir -p "$out/e2e"
-               # llama3-8b's 32 x 4K is v15's; E2E_RUNS overrides: "model requests mean-prompt" each
-               runs=${E2E_RUNS:-"llama3-8b 128 4096;qwen2.5-7b 32,128 4096;gpt-oss-20b 32 1024"}
+               runs=${E2E_RUNS:-"qwen2.5-7b 128 4096 --no-teacher-forced;gpt-oss-20b 32 1024 --profile"}
                IFS=';' read -ra runs <<< "$runs"
                for run in "${runs[@]}"; do
                  set -- $run
-                 timeout 600 python3 -m persistentkv.cli e2e --model $1 --requests $2 \
-                   --mean-prompt $3 --new-tokens 32 --profile --out "$out/e2e" --tag "e2e-$1" \
-                   > "$out/e2e/e2e-$1-log.txt" 2>&1; tail -3 "$out/e2e/e2e-$1-log.txt"
+                 model=$1 requests=$2 prompt=$3; shift 3
+                 tag="e2e-$model-${requests//,/-}x$prompt"
+                 timeout 600 python3 -m persistentkv.cli e2e --model $model --requests $requests \
+                   --mean-prompt $prompt --new-tokens 32 "$@" --out "$out/e2e" --tag "$tag" \
+                   > "$out/e2e/$tag-log.txt" 2>&1; tail -3 "$out/e2e/$tag-log.txt"
                done ;;
     *)         echo "unknown step $step"; status=2 ;;
   esac

@@ -99,6 +99,7 @@ def reference_impl(name: str) -> str:
 AGREEMENT_TOKENS = 32
 WARMUP_TOKENS = 2
 PROFILE_TOKENS = 8   # new tokens of the profiled run (at most --new-tokens)
+GPU_OSS_BATCH_TOKENS = 2048   # gpt-oss on a GPU: paged|eager's [64, q, k] fp32 scores stay near 20 GB
 ATTENTION_LABEL = "persistentkv.e2e.attention"
 STEP_LABELS = {"decode": "persistentkv.e2e.decode_step", "prefill": "persistentkv.e2e.prefill_step"}
 
@@ -151,19 +152,19 @@ def _generate(model, impl: str, prompts, *, new_tokens: int, record_timestamps: 
 
 
 def _cache_size(model, prompts, new_tokens: int) -> dict:
-    """The paged cache's sizing, the same for every implementation. On the CPU, a cache sized for
-    the batch: transformers would size it to 90% of the host's memory (slow to set up, the same
-    tokens). On a GPU, transformers' own sizing, except for gpt-oss, whose reference paged|eager
-    materializes every head's scores over the packed batch ([Hq, q, k], float32 in its softmax),
-    which that sizing does not count: half the free memory for the cache and batches of at most
-    4096 tokens leave them room."""
-    if model.device.type == "cuda":
-        if model.config.model_type == "gpt_oss":
-            return {"max_memory_percent": 0.5, "max_batch_tokens": 4096}
+    """The paged cache's sizing, the same for every implementation. On a GPU, transformers' own
+    sizing, except for gpt-oss. Its reference paged|eager materializes every head's scores over
+    the packed batch ([Hq, q, k], float32 in its softmax), which that sizing does not count (v16:
+    a 20 GB allocation ran out of memory at 32 x 1K with half the free memory given to the
+    cache). So gpt-oss, and any model on the CPU (where transformers would size the cache to 90%
+    of the host's memory: slow to set up), get a cache of the batch's own blocks, and gpt-oss on
+    a GPU batches of at most GPU_OSS_BATCH_TOKENS tokens."""
+    on_gpu = model.device.type == "cuda"
+    if on_gpu and model.config.model_type != "gpt_oss":
         return {}
     block = 256   # ContinuousBatchingConfig's default block_size
     blocks = sum(-(-(len(p) + new_tokens) // block) for p in prompts)
-    return {"num_blocks": blocks + 4, "max_batch_tokens": 8192}
+    return {"num_blocks": blocks + 4, "max_batch_tokens": GPU_OSS_BATCH_TOKENS if on_gpu else 8192}
 
 
 def run_one(model, impl: str, prompts, *, new_tokens: int) -> dict:
