@@ -5,7 +5,7 @@
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|judge|pages|pdl|d512|e2e ...]
+#                                        presets|judge|pages|pdl|d512|longsplit|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -13,7 +13,9 @@
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
 # 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
-# with and without it; d512: head dim 512's tiles; e2e: transformers end to end, each run
+# with and without it; d512: head dim 512's tiles; longsplit: v17's balanced chunks for long
+# splits against the rule before (:balfrom0), twice, at $PRESETS (default the fitted presets with
+# few KV heads); e2e: transformers end to end, each run
 # "model requests mean-prompt [flags]" of $E2E_RUNS (default qwen2.5-7b at 128 requests of about
 # 4K-token prompts without the teacher-forced run, about 310 s, and gpt-oss-20b at 32 of about 1K
 # with the profile; llama3-8b's 32 and 128 and qwen2.5-7b's 32 are measured, BENCHMARKS.md v17).
@@ -97,6 +99,16 @@ for step in $steps; do
     d512)      timeout 300 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
                  --head-dim 512 --backends pkv-auto,pkv-auto:blockn32:warps8:stages2,pkv-auto:blockn32:warps8:stages3,fi-tensor-core \
                  --out "$out" --tag d512-tiles > "$out/d512-log.txt" 2>&1; tail -1 "$out/d512-log.txt" ;;
+    longsplit) mkdir -p "$out/longsplit"
+               for p in ${PRESETS:-qwen2.5-7b llama3-70b-tp4 llama3-70b-tp8}; do
+                 for i in 1 2; do   # twice, for the noise
+                   timeout 200 python3 -m persistentkv.cli bench --grid --preset "$p" \
+                     --cells "B4 L128K,B8 L128K,B32 L32K,B32 L128K,B128 L32K" \
+                     --backends pkv-auto,pkv-auto:balfrom0,fi-tensor-core --out "$out/longsplit" \
+                     --tag "longsplit-$p-$i" > "$out/longsplit/longsplit-$p-$i-log.txt" 2>&1
+                   tail -1 "$out/longsplit/longsplit-$p-$i-log.txt"
+                 done
+               done ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"qwen2.5-7b 128 4096 --no-teacher-forced;gpt-oss-20b 32 1024 --profile"}
                IFS=';' read -ra runs <<< "$runs"
