@@ -17,6 +17,11 @@ FlashInfer's best with the same features and against the plain step; the issue's
 fp8: per grid cell (--fp8 FP16_GRID FP8_GRID..., grids of `persistentkv bench --grid --kv-fp8
 tensor|token`), each of our fp8 backends against pkv-auto on the fp16 cache and against
 FlashInfer's best fp8 entry; the issue's bars counted on the cells of >= 128 MB of fp16 KV.
+End to end: per run of `persistentkv e2e` (--e2e FILES), each implementation's decode tokens/s
+against the run's reference and its agreement with it, and issue 19's bars (>= 1.3x at 32 and 128
+requests of about 4K-token prompts; 95% of the first 32 greedy tokens); a control implementation
+(paged|eager) is reported beside ours. PDL: per step of `persistentkv layer-chain` (--pdl FILES),
+us per layer of each setting and its ratio to PDL off.
 A/B: per grid cell (--ab-a FILES --ab-b FILES, runs of two trees alternated in one session),
 each tree's fastest run of a backend (--ab-backend, default pkv-auto), B's time over A's, and each
 tree's spread over its own runs (the noise the ratio is read against); the geometric mean.
@@ -31,6 +36,10 @@ Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/eval
          --ab-b results/h200/experiments/v10/decode-{2,4}-qb.json
      python scripts/benchmark_tables.py --fp8 results/h200/variants/plain.json
          results/h200/fp8/fp8-{tensor,token}.json [--json results/h200/fp8.json]
+     python scripts/benchmark_tables.py --e2e results/h200/e2e/e2e-*.json
+         [--json results/h200/e2e.json]
+     python scripts/benchmark_tables.py --pdl results/h200/experiments/v16/pdl{,-b1,-b64}.json
+         [--json results/h200/pdl.json]
 """
 import argparse
 import json
@@ -352,6 +361,84 @@ def fp8_table(summary) -> str:
     return "\n".join(out)
 
 
+E2E_KEYS = ("wall_s", "decode_tokens_per_s", "speedup", "token_agreement", "first_token_agreement",
+            "matching_prefix", "tf_top1_agreement", "tf_logits_rel_diff", "tf_logits_max_abs_diff",
+            "tf_ref_margin_median", "attention_share", "decode_attention_share",
+            "attention_ms_per_decode_step", "pkv_kernel_ms", "error")
+E2E_SPEEDUP_BAR, E2E_AGREEMENT_BAR, E2E_BAR_PROMPT = 1.3, 0.95, 4096
+
+
+def e2e_summary(paths) -> dict:
+    """Per file and row (model, requests, implementation): E2E_KEYS; the bars on ours."""
+    runs, bars, environments = [], {}, {}
+    for path in paths:
+        data = json.load(open(path))
+        environments[path] = data["environment"]
+        for row in data["rows"]:
+            entry = {"file": path, "model": row["model"], "requests": row["requests"],
+                     "mean_prompt": row.get("mean_prompt"), "impl": row["impl"],
+                     "reference": row["reference"]}
+            entry.update({k: row[k] for k in E2E_KEYS if row.get(k) is not None})
+            runs.append(entry)
+            if row["impl"] != "paged|persistentkv" or row.get("speedup") is None:
+                continue
+            name = f"{row['model']} x {row['requests']} x {row.get('mean_prompt')}"
+            if row.get("mean_prompt") == E2E_BAR_PROMPT and row["requests"] in (32, 128):
+                bars[f"{name}: >= {E2E_SPEEDUP_BAR}x {row['reference']}"] = f"{row['speedup']:.2f}x"
+                bars[f"{name}: greedy tokens >= {E2E_AGREEMENT_BAR:.0%} of the first 32"] = (
+                    f"{row['token_agreement']:.1%}")
+            if row.get("tf_top1_agreement") is not None:
+                bars[f"{name}: teacher-forced top-1 / logits rel. diff"] = (
+                    f"{row['tf_top1_agreement']:.3f} / {row['tf_logits_rel_diff']:.2e}")
+    return {"bars": bars, "runs": runs, "environments": environments}
+
+
+def e2e_table(summary) -> str:
+    out = ["| model | requests x mean prompt | impl | decode tokens/s | speedup | token agreement "
+           "| first token | teacher-forced top-1 | tf logits rel. diff |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda r, k, f: format(r[k], f) if k in r else "-"   # noqa: E731
+    for r in summary["runs"]:
+        out.append(f"| {r['model']} | {r['requests']} x {r['mean_prompt']} | "
+                   f"{r['impl'].replace('|', chr(92) + '|')} | {fmt(r, 'decode_tokens_per_s', '.1f')} | "
+                   f"{fmt(r, 'speedup', '.2f')} | {fmt(r, 'token_agreement', '.3f')} | "
+                   f"{fmt(r, 'first_token_agreement', '.3f')} | {fmt(r, 'tf_top1_agreement', '.3f')} | "
+                   f"{fmt(r, 'tf_logits_rel_diff', '.2e')} |")
+    out.append("")
+    out += [f"- {name}: {value}" for name, value in summary["bars"].items()]
+    return "\n".join(out)
+
+
+def pdl_summary(paths) -> dict:
+    """Per layer-chain file and setting: us per layer, the ratio to PDL off, and whether the
+    chain's output is bitwise PDL off's."""
+    runs, environments = [], {}
+    for path in paths:
+        data = json.load(open(path))
+        environments[path] = data["environment"]
+        for r in data["summary"]:
+            runs.append({"file": path, "case": r["case"], "setting": r["setting"],
+                         "status": r["status"], "us_per_layer": r.get("us_per_layer"),
+                         "ratio_vs_pdl0": r.get("ratio_vs_pdl0"),
+                         "pdl_effective": r.get("pdl_effective"),
+                         "chain_bitwise_equal_pdl0": r.get("chain_bitwise_equal_pdl0"),
+                         "max_layer_error": r.get("max_layer_error")})
+    paying = [r for r in runs if r["setting"] != "pdl0" and r["ratio_vs_pdl0"] is not None]
+    verdict = ("pays" if paying and all(r["ratio_vs_pdl0"] < 0.995 for r in paying)
+               else "does not pay: stays off")
+    return {"verdict": verdict, "runs": runs, "environments": environments}
+
+
+def pdl_table(summary) -> str:
+    out = ["| step | setting | us per layer | / PDL off | bitwise equal to PDL off |",
+           "|---|---|---|---|---|"]
+    for r in summary["runs"]:
+        out.append(f"| {r['case']} | {r['setting']} | {r['us_per_layer']:.2f} | "
+                   f"{r['ratio_vs_pdl0']:.3f} | {r['chain_bitwise_equal_pdl0']} |")
+    out += ["", f"PDL {summary['verdict']}."]
+    return "\n".join(out)
+
+
 def ab_table(a_paths, b_paths, backend="pkv-auto") -> str:
     """Per cell: A's and B's fastest run (us per layer), B / A, and each tree's slowest over
     fastest run; the geometric mean of B / A and its largest value."""
@@ -402,8 +489,18 @@ def main():
     parser.add_argument("--ab-a", nargs="+", metavar="GRID", help="tree A's grid runs")
     parser.add_argument("--ab-b", nargs="+", metavar="GRID", help="tree B's grid runs")
     parser.add_argument("--ab-backend", default="pkv-auto")
-    parser.add_argument("--json", help="with --queries, --variants or --fp8: write the summary here")
+    parser.add_argument("--e2e", nargs="+", help="JSON files of `persistentkv e2e`")
+    parser.add_argument("--pdl", nargs="+", help="JSON files of `persistentkv layer-chain`")
+    parser.add_argument("--json", help="with --queries, --variants, --fp8, --e2e or --pdl: write "
+                        "the summary here")
     args = parser.parse_args()
+    for paths, summarize, table in ((args.e2e, e2e_summary, e2e_table),
+                                    (args.pdl, pdl_summary, pdl_table)):
+        if paths:
+            summary = summarize(paths)
+            print(table(summary))
+            if args.json:
+                _write_json(args.json, summary)
     if args.queries:
         summary = queries_summary(args.queries)
         print(queries_table(summary))
