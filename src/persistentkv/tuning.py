@@ -51,10 +51,9 @@ class KernelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        if isinstance(self.balanced_from_tokens, bool) or not isinstance(self.balanced_from_tokens, int) \
-                or self.balanced_from_tokens < 0:
-            raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, "
-                             f"got {self.balanced_from_tokens!r}")
+        value = self.balanced_from_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, got {value!r}")
         for name in ("block_n", "fp8_block_n"):
             value = getattr(self, name)
             if value is None and name == "fp8_block_n":

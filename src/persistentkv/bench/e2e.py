@@ -99,7 +99,7 @@ def reference_impl(name: str) -> str:
 AGREEMENT_TOKENS = 32
 WARMUP_TOKENS = 2
 PROFILE_TOKENS = 8   # new tokens of the profiled run (at most --new-tokens)
-GPU_OSS_BATCH_TOKENS = 2048   # gpt-oss on a GPU: paged|eager's [64, q, k] fp32 scores stay near 20 GB
+GPU_OSS_BATCH_TOKENS = 2048   # gpt-oss on a GPU: paged|eager's [64, q, k] fp32 scores under 20 GB
 ATTENTION_LABEL = "persistentkv.e2e.attention"
 STEP_LABELS = {"decode": "persistentkv.e2e.decode_step", "prefill": "persistentkv.e2e.prefill_step"}
 
