@@ -22,7 +22,7 @@ against the run's reference and its agreement with it, and issue 19's bars (>= 1
 requests of about 4K-token prompts; 95% of the first 32 greedy tokens); a control implementation
 (paged|eager) is reported beside ours. PDL: per step of `persistentkv layer-chain` (--pdl FILES),
 us per layer of each setting and its ratio to PDL off.
-A/B: per grid cell (--ab-a FILES --ab-b FILES, runs of two trees alternated in one session),
+A/B: per grid cell (--ab-a FILES --ab-b FILES, runs of two trees alternated in one machine run),
 each tree's fastest run of a backend (--ab-backend, default pkv-auto), B's time over A's, and each
 tree's spread over its own runs (the noise the ratio is read against); the geometric mean.
 Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/evaluate.json

@@ -4,7 +4,7 @@ Device time per launch inside a CUDA graph of 32 launches (median of 20 replays)
   - an empty Triton kernel (grid 1 and grid 2 x SMs): the launch floor in a graph;
   - the decode kernel on 1 token per row (every task one page, no merge): the kernel's fixed cost;
   - the same with rows cut in 2 splits (1 token and 17 tokens, 16-token splits): plus the merge;
-  - a few static steps with the split rule, for A/B runs of two versions in one session;
+  - a few static steps with the split rule, for A/B runs of two versions in one machine run;
   - B1 128K and B8 32K with 2 and 4 persistent programs per SM (KernelConfig.programs_per_sm).
 Graph mode on a few steps: plan() (one planner launch) and 32 layers in one graph, per layer.
 Host time per call (median of 300) for a torch add_ on 1K floats, an empty Triton kernel through
