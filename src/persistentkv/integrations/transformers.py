@@ -180,8 +180,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                         f"{query.dtype} (load it with dtype=torch.bfloat16)")
     layer = module.layer_idx
     group, in_group = cache.layer_index_to_group_indices[layer]
-    window = cache.sliding_windows[layer]
-    window = window if window > 1 else None
+    window = _window(cache, layer)
     soft_cap = float(softcap) if softcap else 0.0
     scale = kwargs.get("scaling") or module.scaling
     sinks = None if s_aux is None else s_aux.detach().float().reshape(-1)
@@ -232,8 +231,7 @@ def _split_groups(plans: dict, cache, query: torch.Tensor, cu_seq_lens_q, cu_seq
     made at each group's first layer, with that layer's soft-cap)."""
     windows, kinds = {}, {}
     for layer, (g, _) in cache.layer_index_to_group_indices.items():
-        w = cache.sliding_windows[layer]
-        windows[g] = w if w > 1 else None
+        windows[g] = _window(cache, layer)
         kinds[g] = "full_attention" if windows[g] is None else "sliding_attention"
     groups = sorted(windows)
     parts = [cu_seq_lens_q]
@@ -266,20 +264,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
     (itself included; None: all); sinks float32 [Hq], soft_cap > 0: scores cap * tanh(s / cap).
     Returns [n_q, Hq, D] in q's dtype."""
     n_q, n_k, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    plain = sinks is None and not soft_cap
+    if plain and n_q == n_k and window is None:   # a whole prompt: causal, a flash kernel, no mask
+        return sdpa(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
     pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]        # [n_q, 1]
     key_pos = torch.arange(n_k, device=q.device)[None, :]               # [1, n_k]
     seen = key_pos <= pos
     if window is not None:
         seen &= key_pos > pos - window
-    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if sinks is None and not soft_cap:
-        if n_q == n_k and window is None:   # a whole prompt: causal from the start, a flash kernel
-            o = sdpa(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)
-        else:                               # a masked kernel takes every head's K/V
-            o = sdpa(q4, k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1),
-                     attn_mask=seen, scale=scale)
-        return o[0].transpose(0, 1)
+    if plain:                                     # a masked kernel takes every head's K/V
+        return sdpa(q4, k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1),
+                    attn_mask=seen, scale=scale)[0].transpose(0, 1)
     kf = k4.float().repeat_interleave(group, dim=1)[0]                  # [Hq, n_k, D]
     vf = v4.float().repeat_interleave(group, dim=1)[0]
     out = torch.empty_like(q)
@@ -294,6 +291,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
         p = torch.softmax(s, dim=-1)[..., :n_k]
         out[lo:lo + chunk] = (p @ vf).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _window(cache, layer: int) -> int | None:
+    """The layer's sliding window in tokens, None for full attention (transformers' 1 or 0)."""
+    window = cache.sliding_windows[layer]
+    return window if window > 1 else None
 
 
 def _reads(read_index, group: int, write_index) -> torch.Tensor:
