@@ -5,7 +5,7 @@
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|judge|pages|pdl|d512|longsplit|e2e ...]
+#                                        presets|judge|pages|pdl|d512|longsplit|fp8vt|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -15,7 +15,8 @@
 # 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
 # with and without it; d512: head dim 512's tiles; longsplit: v17's balanced chunks for long
 # splits against the rule before (:balfrom0), twice, at $PRESETS (default the fitted presets with
-# few KV heads); e2e: transformers end to end, each run
+# few KV heads); fp8vt: an fp8 cache in HND against HND_VT (V's blocks transposed), both scale
+# granularities, alternated twice, with the fp16 step of the same cells; e2e: transformers end to end, each run
 # "model requests mean-prompt [flags]" of $E2E_RUNS (default qwen2.5-7b at 128 requests of about
 # 4K-token prompts without the teacher-forced run, about 310 s, and gpt-oss-20b at 32 of about 1K
 # with the profile; llama3-8b's 32 and 128 and qwen2.5-7b's 32 are measured, BENCHMARKS.md v17).
@@ -108,6 +109,23 @@ for step in $steps; do
                      --tag "longsplit-$p-$i" > "$out/longsplit/longsplit-$p-$i-log.txt" 2>&1
                    tail -1 "$out/longsplit/longsplit-$p-$i-log.txt"
                  done
+               done ;;
+    fp8vt)     mkdir -p "$out/fp8vt"
+               cells="B1 L32K,B1 L128K,B4 L32K,B8 L1K,B8 L8K,B8 L32K,B8 L128K,B32 L8K,B16 mix"
+               timeout 200 python3 -m persistentkv.cli bench --grid --cells "$cells" \
+                 --backends pkv-auto --out "$out/fp8vt" --tag fp16 > "$out/fp8vt/fp16-log.txt" 2>&1
+               for i in 1 2; do
+                 for g in tensor token; do
+                   for layout in HND HND_VT; do
+                     timeout 200 python3 -m persistentkv.cli bench --grid --kv-fp8 $g --layout $layout \
+                       --cells "$cells" --backends pkv-auto --out "$out/fp8vt" --tag "$g-$layout-$i" \
+                       > "$out/fp8vt/$g-$layout-$i-log.txt" 2>&1; tail -1 "$out/fp8vt/$g-$layout-$i-log.txt"
+                   done
+                 done
+               done
+               for g in tensor token; do
+                 python3 scripts/benchmark_tables.py --ab-a "$out"/fp8vt/$g-HND-{1,2}.json \
+                   --ab-b "$out"/fp8vt/$g-HND_VT-{1,2}.json
                done ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"qwen2.5-7b 128 4096 --no-teacher-forced;gpt-oss-20b 32 1024 --profile"}

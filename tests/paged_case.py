@@ -34,7 +34,7 @@ def make_case(*, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, 
         at += n
     table = PageTable(row_pages=tuple(row_pages), seq_lens=np.asarray(seq_lens, dtype=np.int64),
                       page_size=page_size)
-    inner = (num_kv_heads, page_size) if layout == "HND" else (page_size, num_kv_heads)
+    inner = (page_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, page_size)
     cache = torch.randn(num_pages, 2, *inner, head_dim, dtype=dtype, device=device)
     kv_cache = (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_pair else cache
     q = torch.randn(len(seq_lens), num_qo_heads, head_dim, dtype=dtype, device=device)

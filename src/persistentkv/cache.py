@@ -2,6 +2,12 @@
 
 Layouts, as FlashInfer names them (P pages, H KV heads, S tokens per page, D head dim):
     "HND": [P, 2, H, S, D]      "NHD": [P, 2, S, H, D]      (index 0 of dim 1 is K, 1 is V)
+and one of our own, "HND_VT": HND's shape and K, with each (page, head) block of V holding V
+transposed (V[p, h, s, d] at element d * S + s of the block): a page's tokens are contiguous for
+each d, so a kernel reads V's tiles as it reads K's (an e4m3 V tile is otherwise read byte by
+byte; docs/perf-notes.md, v17). Its contract: every slot holds a finite value, since the kernel
+reads a row's last page whole (the slots past the row's length get no weight, and 0 x NaN would
+be NaN); an HND_VT PagedKVCache is zero-filled for that. FlashInfer and vLLM do not read it.
 An fp8 cache (dtype=torch.float8_e4m3fn) quantizes on append, with scales per tensor or per token
 (quant.py).
 """
@@ -18,11 +24,34 @@ from .checks import check_count
 from .page_table import PageTable
 from .quant import FP8, SCALE_GRANULARITIES, check_scale, quantize, row_scales
 
-LAYOUTS = ("NHD", "HND")
+LAYOUTS = ("NHD", "HND", "HND_VT")
 QUANTIZE_CHUNK_ELEMENTS = 1 << 26   # fp32 elements quantized at once when an fp8 pool is filled
 CACHE_DTYPES = (torch.float16, torch.bfloat16)
 
-__all__ = ["PagedKVCache", "OutOfPagesError", "LAYOUTS", "CACHE_DTYPES", "check_layout"]
+__all__ = ["PagedKVCache", "OutOfPagesError", "LAYOUTS", "CACHE_DTYPES", "check_layout",
+           "check_v_transposed_cache", "v_transposed"]
+
+
+def v_transposed(pool: torch.Tensor) -> torch.Tensor:
+    """An HND_VT pool's V as a [P, H, D, S] view (pool: a contiguous [P, 2, H, S, D])."""
+    p, _, h, page, d = pool.shape
+    return pool.view(p, 2, h, d, page)[:, 1]
+
+
+def check_v_transposed_page(layout: str, page_size: int) -> None:
+    """HND_VT takes pages of a power-of-two size (the kernel finds a tile's slots from that)."""
+    if layout == "HND_VT" and page_size & (page_size - 1):
+        raise ValueError(f"the HND_VT layout takes a page_size that is a power of two, "
+                         f"got {page_size}")
+
+
+def check_v_transposed_cache(k: torch.Tensor, *, page_size: int, head_dim: int) -> None:
+    """An HND_VT cache as the kernels read it: k [P, H, S, D] with dense [S, D] blocks (V's
+    blocks hold [D, S]) and a power-of-two page size."""
+    check_v_transposed_page("HND_VT", page_size)
+    if k.stride(2) != head_dim or k.stride(1) != page_size * head_dim:
+        raise ValueError(f"an HND_VT cache's (page, head) blocks must be dense [page_size, "
+                         f"head_dim] = [{page_size}, {head_dim}], got strides {k.stride()}")
 
 
 def check_layout(layout: object) -> str:
@@ -63,12 +92,15 @@ class PagedKVCache:
         self.kv_scale, self.k_scale, self.v_scale = kv_scale, k_scale, v_scale
         self.layout = check_layout(layout)
         self.allocator = PageAllocator(num_pages, page_size, shuffle_seed=shuffle_seed)
+        check_v_transposed_page(layout, self.allocator.page_size)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.num_pages, self.dtype = self.allocator.page_size, self.allocator.num_pages, dtype
         self.device = torch.device(device)
-        inner = ((num_kv_heads, self.page_size) if layout == "HND"
-                 else (self.page_size, num_kv_heads))
+        inner = ((self.page_size, num_kv_heads) if layout == "NHD"
+                 else (num_kv_heads, self.page_size))
         shape = (self.num_pages, 2, *inner, head_dim)
+        if layout == "HND_VT" and init == "empty":   # the layout's contract: finite slots
+            init = "zeros"
         make = {"empty": torch.empty, "zeros": torch.zeros, "randn": torch.randn}[init]
         per_token = self.fp8 and kv_scale == "token"
         self.kv_scales = [torch.ones(self.num_pages, 2, num_kv_heads, self.page_size,
@@ -186,8 +218,10 @@ class PagedKVCache:
                     rows = quantize(rows, self.k_scale if kv == 0 else self.v_scale)
                 if self.layout == "NHD":
                     pool[p, kv, s] = rows
-                else:
+                elif self.layout == "HND" or kv == 0:
                     pool[p, kv, :, s] = rows
+                else:                                                    # HND_VT's V
+                    v_transposed(pool)[p, :, :, s] = rows
 
     def _quantized(self, x: torch.Tensor, layer: int, first: int) -> torch.Tensor:
         """Pages first.. of a pool, x (fp32, [n, 2, ...] in the layout), in fp8; their scales set
@@ -195,11 +229,13 @@ class PagedKVCache:
         if self.kv_scales is None:
             return torch.stack([quantize(x[:, 0], self.k_scale),
                                 quantize(x[:, 1], self.v_scale)], dim=1)
-        rows = x if self.layout == "HND" else x.transpose(2, 3)          # [n, 2, H, S, D]
+        rows = x if self.layout != "NHD" else x.transpose(2, 3)          # [n, 2, H, S, D]
         scale = row_scales(rows)                                         # [n, 2, H, S]
         self.kv_scales[layer][first: first + x.shape[0]].copy_(scale)
         q = quantize(rows, scale[..., None])
-        return q if self.layout == "HND" else q.transpose(2, 3).contiguous()
+        if self.layout == "HND_VT":     # V's blocks transposed, each token keeping its scale
+            q[:, 1] = q[:, 1].transpose(2, 3).contiguous().view(q[:, 1].shape)
+        return q if self.layout != "NHD" else q.transpose(2, 3).contiguous()
 
     # -- page tables -----------------------------------------------------------------------------
     def page_table(self, seq_ids: Iterable[object] | None = None) -> PageTable:

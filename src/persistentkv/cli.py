@@ -90,7 +90,8 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, help="default 128")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    parser.add_argument("--layout", choices=["HND", "NHD"], default="HND")
+    parser.add_argument("--layout", choices=["HND", "NHD", "HND_VT"], default="HND",
+                        help="HND_VT: V's blocks transposed (ours only; docs/perf-notes.md v17)")
     parser.add_argument("--kv-fp8", choices=["tensor", "token"],
                         help="an e4m3 KV cache, scales per tensor or per (token, KV head); q and "
                              "the output stay in --dtype")

@@ -15,6 +15,7 @@ import functools
 import torch
 from triton import knobs
 
+from .cache import check_v_transposed_cache
 from .quant import FP8, check_cache_scales, check_scale
 from .runtime import interpreting
 
@@ -192,6 +193,8 @@ class DecodeLauncher:
         if q.stride(-1) != 1:
             raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
         k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, self.kv_layout)
+        if self.kv_layout == "HND_VT":
+            check_v_transposed_cache(k, page_size=page, head_dim=dim)
         fp8 = k.dtype == FP8
         check_cache_scales(cache_dtype=k.dtype, planned=plan.kv_data_type,
                            tensor_scales=tensor_scales, kv_scales=kv_scales, num_pages=num_pages,
@@ -238,7 +241,8 @@ class DecodeLauncher:
             return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(plan.config, q.device),
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
-            sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None)
+            sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
+            v_transposed=self.kv_layout == "HND_VT")
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
@@ -273,6 +277,6 @@ def _capability(index: int) -> tuple[int, int]:
 
 def cache_strides(k: torch.Tensor, kv_layout: str) -> tuple[int, int, int]:
     """(page, head, token) strides of K in elements: k is [P, H, S, D] (HND) or [P, S, H, D] (NHD)."""
-    if kv_layout == "HND":
+    if kv_layout != "NHD":   # HND, and HND_VT's K
         return k.stride(0), k.stride(1), k.stride(2)
     return k.stride(0), k.stride(2), k.stride(1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache import check_v_transposed_cache
 from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .kernels.guard import GUARD_BLOCK, guard_grid, guard_pages_kernel
 from .launch import LOG2_E, cache_strides, use_pdl
@@ -26,11 +27,13 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                  row_lens: torch.Tensor, cache_strides: list[int], sm_scale: float,
                  num_kv_heads: int, page_size: int, programs: int, block_n: int, num_warps: int,
                  num_stages: int, max_queries: int, window_left: int,
-                 logits_soft_cap: float, pdl: bool = False) -> torch.Tensor:
+                 logits_soft_cap: float, pdl: bool = False,
+                 v_transposed: bool = False) -> torch.Tensor:
     """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
     max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
     sinks None: off; an fp8 k, v: scaled by k_scale and v_scale, or per token by kv_scales;
-    pdl: launched with programmatic dependent launch, as launch.use_pdl decided).
+    pdl: launched with programmatic dependent launch, as launch.use_pdl decided; v_transposed:
+    V's blocks in the HND_VT layout).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
     """
@@ -49,7 +52,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                             return_lse=False, upcast=interpreting(), max_queries=max_queries,
                             window=window_left >= 0, soft_cap=logits_soft_cap > 0,
                             sinks=sinks is not None, kv_fp8=k.dtype == FP8,
-                            token_scales=kv_scales is not None, pdl=pdl),
+                            token_scales=kv_scales is not None, pdl=pdl,
+                            v_transposed=v_transposed),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     return out
 
@@ -59,7 +63,7 @@ def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, kv_scales, k_scale, v
                        info, part_o, part_lse, counters,
                        row_lens, cache_strides, sm_scale, num_kv_heads, page_size, programs,
                        block_n, num_warps, num_stages, max_queries, window_left, logits_soft_cap,
-                       pdl=False):
+                       pdl=False, v_transposed=False):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -85,7 +89,9 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
     if out is not None or return_lse:
         raise ValueError("under torch.compile, run() returns a new output and no lse: "
                          "call it without out= and return_lse=")
-    k, v, (num_pages, heads, page, _) = cache_views(kv_cache, kv_layout)
+    k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, kv_layout)
+    if kv_layout == "HND_VT":
+        check_v_transposed_cache(k, page_size=page, head_dim=dim)
     k_scale, v_scale, kv_scales = scales
     check_cache_scales(cache_dtype=k.dtype, planned=plan.kv_data_type,
                        tensor_scales=k_scale is not None or v_scale is not None,
@@ -112,4 +118,4 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                         cfg.tile_tokens(kv_fp8=k.dtype == FP8),
                         cfg.num_warps, cfg.num_stages,
                         1 if queries is None else queries.max_per_row, plan.window_left,
-                        plan.logits_soft_cap, use_pdl(cfg, q.device))
+                        plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT")

@@ -193,7 +193,7 @@ def cache_views(kv_cache, layout: str):
     else:
         check_tensor("kv_cache", kv_cache)
         if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-            want = "[P, 2, H, S, D] (HND)" if layout == "HND" else "[P, 2, S, H, D] (NHD)"
+            want = "[P, 2, S, H, D] (NHD)" if layout == "NHD" else f"[P, 2, H, S, D] ({layout})"
             raise ValueError(f"kv_cache fits neither layout: expected {want} or a (k, v) pair, got "
                              f"shape {list(kv_cache.shape)}")
         k, v = kv_cache[:, 0], kv_cache[:, 1]
@@ -201,5 +201,5 @@ def cache_views(kv_cache, layout: str):
         raise ValueError(f"kv_cache must be contiguous along head_dim with equal K and V strides, got "
                          f"{k.stride()} and {v.stride()}")
     p, a, b, d = k.shape
-    heads, page = (a, b) if layout == "HND" else (b, a)
+    heads, page = (b, a) if layout == "NHD" else (a, b)
     return k, v, (p, heads, page, d)

@@ -16,7 +16,9 @@ def _split_pool(kv_cache, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = kv_cache
     else:
         k, v = kv_cache[:, 0], kv_cache[:, 1]
-    if layout == "HND":  # [P, H, S, D] -> [P, S, H, D]
+    if layout in ("HND", "HND_VT"):  # [P, H, S, D] -> [P, S, H, D]
+        if layout == "HND_VT":       # each head's V block holds V^T: [D, S] in its S x D elements
+            v = v.contiguous().view(v.shape[0], v.shape[1], v.shape[3], v.shape[2]).transpose(2, 3)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     return k, v
 

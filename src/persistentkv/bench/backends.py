@@ -470,6 +470,8 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
             backend, pages, overrides = variant
             backends.append(PersistentKV(backend, layout=layout, split_pages=pages,
                                          overrides=overrides, policy=policy))
+        elif layout == "HND_VT":
+            skipped[name] = "reads HND and NHD caches only, not PersistentKV's HND_VT"
         elif name in factories:
             backends.append(factories[name]())
         else:

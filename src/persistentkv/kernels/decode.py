@@ -29,13 +29,27 @@ def _tanh(x):
 
 
 @triton.jit
+def _whole_pages(start, offs_n, tok_hi, PAGE_SIZE: tl.constexpr):
+    """The pages of the tile at `start` (a whole page, or BLOCK_N-aligned inside one), written so
+    that the compiler sees them constant over a page, and a mask of the whole pages that hold
+    tokens before tok_hi (constant over a page too: a page's vector loads can take it)."""
+    page = start // PAGE_SIZE + offs_n // PAGE_SIZE
+    return page, page * PAGE_SIZE < tok_hi
+
+
+@triton.jit
 def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
                   lower, stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
                   G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                   SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-                  TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr):
+                  TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr, V_T: tl.constexpr):
     """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi).
+
+    V_T: each (page, head) block of V holds V transposed (the HND_VT layout: V[s, d] at
+    d * PAGE_SIZE + s), read with a page's tokens contiguous. It relies on tok_lo being a whole
+    page (the planner cuts at pages) and PAGE_SIZE a power of two (the layout's check), so that
+    a tile's slots are known from its offsets.
 
     CAUSAL: tile row r sees positions <= limit[r] only; WINDOW: positions >= lower[r] only.
     KV_FP8: K/V are e4m3, converted to q's dtype per tile; TOKEN_SCALES: each token's K and V
@@ -51,19 +65,42 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     # Each tile's page indices are loaded one iteration ahead: K/V addresses then never wait on an
     # index load of their own iteration, and the compiler pipelines the K/V loads num_stages - 1
     # tiles deep (with the index load inside the iteration it could only wait for all of them).
-    tok = tok_lo + offs_n
-    page = tl.load(indices_ptr + page_start + tok // PAGE_SIZE, mask=tok < tok_hi, other=0)
+    if V_T:   # tasks start at whole pages: tell the compiler, so that it sees a page's slots
+        tok_lo = tl.multiple_of(tok_lo, PAGE_SIZE)
+    if V_T:
+        pages, in_pages = _whole_pages(tok_lo, offs_n, tok_hi, PAGE_SIZE)
+    else:
+        tok = tok_lo + offs_n
+        pages, in_pages = tok // PAGE_SIZE, tok < tok_hi
+    page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
+        if V_T:
+            start = tl.multiple_of(start, PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N)
         tok = start + offs_n
         valid = tok < tok_hi
         offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
         if TOKEN_SCALES:          # the tile's scale slots, from its page (before `page` moves on)
             s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE                    # [N]
-        nxt = tok + BLOCK_N
-        page = tl.load(indices_ptr + page_start + nxt // PAGE_SIZE, mask=nxt < tok_hi, other=0)
+        if V_T:   # V's column in its page, with the slots in a form the compiler sees contiguous
+            if BLOCK_N >= PAGE_SIZE:      # the tile is whole pages
+                slot = offs_n % PAGE_SIZE
+            else:                         # the tile lies BLOCK_N-aligned inside one page
+                slot = tl.multiple_of(start % PAGE_SIZE, BLOCK_N) + offs_n
+            v_offs = page.to(tl.int64) * stride_page + slot.to(tl.int64)                   # [N]
+        if V_T:
+            pages, in_pages = _whole_pages(start + BLOCK_N, offs_n, tok_hi, PAGE_SIZE)
+        else:
+            nxt = tok + BLOCK_N
+            pages, in_pages = nxt // PAGE_SIZE, nxt < tok_hi
+        page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        if V_T:   # whole pages: the slots of a row's last page past its length are read too
+            v_rows = _whole_pages(start, offs_n, tok_hi, PAGE_SIZE)[1]                 # (finite:
+            v = tl.load(v_base + v_offs[:, None] + offs_d[None, :] * PAGE_SIZE,     # the layout's
+                        mask=v_rows[:, None] & d_mask[None, :], other=0.0)          # contract)
+        else:
+            v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v_sc = 1.0
         if TOKEN_SCALES:
             k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)                     # [N]
@@ -115,7 +152,7 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                 TOKEN_SCALES: tl.constexpr):
+                 TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row.
 
     Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
@@ -144,7 +181,7 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                                   page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
                                   stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
                                   G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1, WINDOW, SOFT_CAP,
-                                  UPCAST, KV_FP8, TOKEN_SCALES, NUM_KV_HEADS * PAGE_SIZE)
+                                  UPCAST, KV_FP8, TOKEN_SCALES, NUM_KV_HEADS * PAGE_SIZE, V_T)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:                              # and a per-tensor V scale into the output
@@ -313,7 +350,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr):
+                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -358,7 +395,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
@@ -370,7 +407,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                              num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
                              G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
-                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
+                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
@@ -382,7 +419,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
@@ -393,17 +430,19 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
                       return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
                       soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
-                      token_scales: bool = False, pdl: bool = False) -> dict:
+                      token_scales: bool = False, pdl: bool = False,
+                      v_transposed: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
     kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head; pdl: the kernel
     waits for the previous kernel's writes (launched with launch_pdl=True; compute capability
-    9.0+, never under the interpreter: launch.use_pdl decides)."""
+    9.0+, never under the interpreter: launch.use_pdl decides); v_transposed: the HND_VT layout's
+    V blocks."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
                 G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
-                TOKEN_SCALES=token_scales, PDL=pdl)
+                TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed)

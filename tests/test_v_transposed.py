@@ -1,0 +1,112 @@
+"""The HND_VT layout (V's (page, head) blocks stored transposed): PagedKVCache writes it, the
+reference reads it, and the decode kernel reads it in every schedule, with an fp16 cache and an
+fp8 one (per-tensor and per-token scales), page sizes below, at and above the tile; the same
+tokens in an HND cache give the same output; bad caches are refused."""
+import pytest
+import torch
+
+from paged_case import DEVICE, csr_kwargs, block_kwargs, make_case
+from persistentkv import (BACKENDS, TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode,
+                          relative_error)
+from persistentkv.cache import v_transposed
+from persistentkv.quant import FP8
+
+HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=32)
+
+
+def _caches(seq_lens, *, page_size, dtype, kv_scale="tensor", seed=0):
+    """The same random tokens appended to an HND and an HND_VT cache (one layer, pages shuffled
+    by one seed): ({layout: cache}, q)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, d = HEADS["num_kv_heads"], HEADS["head_dim"]
+    pages = sum(-(-n // page_size) for n in seq_lens) + 3
+    extra = dict(kv_scale=kv_scale, k_scale=0.02, v_scale=0.02) if dtype == FP8 else {}
+    caches = {layout: PagedKVCache(num_layers=1, num_pages=pages, page_size=page_size,
+                                   num_kv_heads=h, head_dim=d, dtype=dtype, layout=layout,
+                                   device=DEVICE, shuffle_seed=seed, init="zeros", **extra)
+              for layout in ("HND", "HND_VT")}
+    src = torch.float16
+    for i, n in enumerate(seq_lens):
+        k = torch.randn(1, n, h, d, generator=gen).to(src)
+        v = torch.randn(1, n, h, d, generator=gen).to(src)
+        for cache in caches.values():
+            cache.add_sequence(i)
+            cache.append(i, k, v)
+    q = torch.randn(len(seq_lens), HEADS["num_qo_heads"], d, generator=gen).to(torch.float16)
+    return caches, q.to(DEVICE)
+
+
+def _run(cache, q, *, backend, table_form="csr", split_pages=None):
+    table = cache.page_table()
+    kwargs = csr_kwargs(table) if table_form == "csr" else block_kwargs(table)
+    wrapper = DecodeWrapper(cache.layout)
+    wrapper.plan(**kwargs, **HEADS, page_size=cache.page_size, backend=backend,
+                 split_pages=split_pages, kv_data_type=cache.dtype)
+    out = torch.full_like(q, float("nan"))
+    wrapper.run(q, cache.pools[0], out=out, **cache.scales(0))
+    ref, _ = reference_decode(q, cache.pools[0], layout=cache.layout, **cache.scales(0),
+                              **csr_kwargs(table))
+    return out, ref
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype, kv_scale", [(torch.float16, "tensor"), (FP8, "tensor"),
+                                             (FP8, "token")])
+def test_every_schedule_matches_the_reference_and_hnd(backend, dtype, kv_scale):
+    caches, q = _caches([300, 9, 130, 33], page_size=16, dtype=dtype, kv_scale=kv_scale, seed=1)
+    outs = {}
+    for layout, cache in caches.items():
+        out, ref = _run(cache, q, backend=backend, split_pages=2 if backend == "split" else None)
+        assert relative_error(out, ref) <= TOLERANCE[torch.float16], (layout, backend)
+        outs[layout] = out
+    assert relative_error(outs["HND_VT"], outs["HND"]) <= 1e-3
+
+
+@pytest.mark.parametrize("page_size", [4, 64, 128])
+def test_pages_smaller_and_larger_than_the_tile(page_size):
+    """Tiles of whole pages (page 4) and tiles inside one page (64 and 128: the tile is 64 tokens
+    at head dim 32, 128 on an fp8 cache... whichever the default is), block-table form too."""
+    caches, q = _caches([700, 5, 257], page_size=page_size, dtype=FP8, kv_scale="token", seed=2)
+    cache = caches["HND_VT"]
+    for form in ("csr", "block"):
+        out, ref = _run(cache, q, backend="split", table_form=form)
+        assert relative_error(out, ref) <= TOLERANCE[torch.float16], (page_size, form)
+
+
+def test_the_cache_writes_v_transposed():
+    """append() puts V[token, head, :] in column `slot` of the page's [D, S] block; K as HND."""
+    caches, _ = _caches([20], page_size=8, dtype=torch.float16, seed=3)
+    hnd, vt = caches["HND"], caches["HND_VT"]
+    assert torch.equal(hnd.pools[0][:, 0], vt.pools[0][:, 0])
+    assert torch.equal(v_transposed(vt.pools[0]), hnd.pools[0][:, 1].transpose(2, 3))
+
+
+def test_a_last_page_tail_takes_no_weight():
+    """The kernel reads a row's last page whole: large finite values in the slots past the row's
+    length change nothing; an HND_VT cache made with init="empty" is zero-filled (finite)."""
+    caches, q = _caches([37, 5], page_size=16, dtype=FP8, kv_scale="token", seed=5)
+    cache = caches["HND_VT"]
+    before, _ = _run(cache, q, backend="split")
+    table = cache.page_table()
+    vt = v_transposed(cache.pools[0])                                    # [P, H, D, S]
+    for pages, n in zip(table.row_pages, table.seq_lens):
+        vt[int(pages[-1]), :, :, int(n) % 16 or 16:] = 400.0
+        cache.kv_scales[0][int(pages[-1]), :, :, int(n) % 16 or 16:] = 1e3
+    after, ref = _run(cache, q, backend="split")
+    assert torch.equal(before, after) and relative_error(after, ref) <= TOLERANCE[torch.float16]
+    empty = PagedKVCache(num_layers=1, num_pages=3, page_size=16, num_kv_heads=2, head_dim=32,
+                         layout="HND_VT", device=DEVICE)
+    assert (empty.pools[0] == 0).all()
+
+
+def test_bad_caches_are_refused():
+    with pytest.raises(ValueError, match="HND_VT layout takes a page_size that is a power of two, got 12"):
+        PagedKVCache(num_layers=1, num_pages=4, page_size=12, num_kv_heads=2, head_dim=32,
+                     layout="HND_VT", device=DEVICE)
+    case = make_case(seq_lens=[40], **HEADS, page_size=16, layout="HND_VT", seed=4)
+    wrapper = DecodeWrapper("HND_VT")
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, page_size=16)
+    pool = torch.randn(case.kv_cache.shape[0], 2, 2, 16, 64, dtype=torch.float16,
+                       device=DEVICE)[..., :32]                   # blocks of 16 x 32, not dense
+    with pytest.raises(ValueError, match=r"HND_VT cache's \(page, head\) blocks must be dense"):
+        wrapper.run(case.q, pool)
