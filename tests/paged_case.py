@@ -43,7 +43,7 @@ def make_case(*, seq_lens, num_qo_heads: int, num_kv_heads: int, head_dim: int, 
 
 def draw_case(draw, seq_lens, *, groups):
     """A hypothesis-drawn case over seq_lens: (case, heads, backend) with 2 KV heads of a group
-    from `groups`, head dim 32, page size 1, 8 or 16, either layout, any plan() backend."""
+    from `groups`, head dim 32, page size 1, 8 or 16, any layout, any plan() backend."""
     from hypothesis import strategies as st
 
     from persistentkv import BACKENDS
@@ -53,7 +53,7 @@ def draw_case(draw, seq_lens, *, groups):
                  page_size=draw(st.sampled_from([1, 8, 16]), label="page_size"))
     backend = draw(st.sampled_from(BACKENDS), label="backend")
     case = make_case(seq_lens=seq_lens, **heads,
-                     layout=draw(st.sampled_from(["HND", "NHD"]), label="layout"),
+                     layout=draw(st.sampled_from(["HND", "NHD", "HND_VT"]), label="layout"),
                      seed=draw(st.integers(0, 2**16), label="seed"))
     return case, heads, backend
 

@@ -26,11 +26,24 @@ def fp8_pool(pool: torch.Tensor, layout: str, granularity: str) -> tuple[torch.T
         v_scale = float(x[:, 1].abs().max()) / FP8_MAX
         q8 = torch.stack([quantize(x[:, 0], k_scale), quantize(x[:, 1], v_scale)], dim=1)
         return q8, dict(k_scale=k_scale, v_scale=v_scale)
-    rows = x if layout == "HND" else x.transpose(2, 3)           # [P, 2, H, S, D]
+    if layout == "HND_VT":      # V's blocks hold [D, S]: its token rows, as HND's, to scale
+        x = _swap_v_blocks(x, to_rows=True)
+    rows = x if layout != "NHD" else x.transpose(2, 3)           # [P, 2, H, S, D]
     scales = row_scales(rows)                                    # [P, 2, H, S]
     q8 = quantize(rows, scales[..., None])
-    q8 = q8 if layout == "HND" else q8.transpose(2, 3).contiguous()
+    q8 = q8 if layout != "NHD" else q8.transpose(2, 3).contiguous()
+    if layout == "HND_VT":
+        q8 = _swap_v_blocks(q8.float(), to_rows=False).to(FP8)
     return q8, dict(kv_scales=scales.contiguous())
+
+
+def _swap_v_blocks(x: torch.Tensor, *, to_rows: bool) -> torch.Tensor:
+    """An HND_VT pool [P, 2, H, S, D] with its V blocks read as [D, S] and given as token rows
+    [S, D] (to_rows), or the reverse."""
+    p, _, h, page, d = x.shape
+    v = x[:, 1].reshape(p, h, d, page).transpose(2, 3) if to_rows else \
+        x[:, 1].transpose(2, 3).reshape(p, h, page, d)
+    return torch.stack([x[:, 0], v.reshape(p, h, page, d)], dim=1)
 
 
 def _check(case, granularity, *, backend, table_form="csr", split_pages=None, q_lens=None,
@@ -79,7 +92,7 @@ def test_fp8_tiles(config):
         KernelConfig(fp8_block_n=24)
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("layout", ["HND", "NHD", "HND_VT"])
 def test_fp8_with_queries_variants_and_bf16(layout):
     """Several queries per row, a window, soft-cap and sinks on an fp8 cache, q in bf16."""
     case = make_case(seq_lens=[200, 7, 90], **HEADS, layout=layout, seed=2, dtype=torch.bfloat16)
@@ -152,7 +165,7 @@ def test_per_token_scales_never_rescale_earlier_tokens():
             assert relative_error(v, -t[layer, 0]) < 0.07
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("layout", ["HND", "NHD", "HND_VT"])
 def test_random_fp8_pool_is_filled_in_chunks(monkeypatch, layout):
     """init="randn" quantizes a few pages at a time (an fp32 copy of a whole pool would not fit
     beside a large one): with chunks of 3 pages, every token row still has its own scale (its
@@ -167,7 +180,8 @@ def test_random_fp8_pool_is_filled_in_chunks(monkeypatch, layout):
                               device=DEVICE)
     for layer in range(2):
         pool = per_token.pools[layer].float()
-        rows = pool if layout == "HND" else pool.transpose(2, 3)          # [P, 2, H, S, D]
+        rows = {"HND": pool, "NHD": pool.transpose(2, 3),                    # [P, 2, H, S, D]
+                "HND_VT": _swap_v_blocks(pool, to_rows=True)}[layout]
         assert torch.equal(rows.abs().amax(dim=-1), torch.full_like(rows[..., 0], FP8_MAX))
         assert (per_token.kv_scales[layer] > 0.0).all()
         assert not torch.equal(per_token.kv_scales[layer][:3], per_token.kv_scales[layer][3:6])

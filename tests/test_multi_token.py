@@ -60,7 +60,7 @@ def test_random_query_counts(data):
                  page_size=data.draw(st.sampled_from([1, 8, 16]), label="page_size"))
     backend = data.draw(st.sampled_from(BACKENDS), label="backend")
     case = make_case(seq_lens=seq_lens, **heads,
-                     layout=data.draw(st.sampled_from(["HND", "NHD"]), label="layout"),
+                     layout=data.draw(st.sampled_from(["HND", "NHD", "HND_VT"]), label="layout"),
                      seed=data.draw(st.integers(0, 2**16), label="seed"))
     split = data.draw(st.integers(1, 4), label="split_pages") if backend == "split" else None
     _check(case, q_lens, backend=backend, split_pages=split, heads=heads,

@@ -54,7 +54,7 @@ def test_opcheck_guard_pages():
     assert torch.equal(plan.indices[:guard.extent], want) and int(plan.workspace.info[6]) == 1
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("layout", ["HND", "NHD", "HND_VT"])
 def test_torch_compile_fullgraph(layout):
     case, w = planned("split", layout)
     backend = "inductor" if ON_GPU else "aot_eager"   # the CPU suite skips inductor's C++ build

@@ -32,7 +32,7 @@ def decode_problems(draw):
         num_qo_heads=group * num_kv_heads,
         head_dim=draw(st.sampled_from([16, 32, 64]), label="head_dim"),
         page_size=draw(st.sampled_from([1, 4, 8, 16, 32]), label="page_size"),
-        layout=draw(st.sampled_from(["HND", "NHD"]), label="layout"),
+        layout=draw(st.sampled_from(["HND", "NHD", "HND_VT"]), label="layout"),
         backend=backend,
         dtype=draw(st.sampled_from(sorted(DTYPES)), label="dtype"),
         split_pages=(draw(st.none() | st.integers(1, 8), label="split_pages")
