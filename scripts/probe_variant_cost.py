@@ -1,0 +1,107 @@
+"""What a variant costs against the plain step, and soft-cap's accuracy at large logits.
+
+Cost: on the same cache and queries, the plain step and each variant (soft-cap 50, sinks) are
+captured as CUDA graphs (plan + one run per layer, each layer its own pool) and replayed in turn,
+each round starting one graph later, so a drift of the clocks falls on all alike; us per layer,
+median of the replays, the whole A/B twice to show the noise. Issue 17's bar: each variant
+<= 1.03x the plain step on B8 L8K and B1 L32K.
+Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
+error against the float64 reference; fp16's bound is 2e-3.
+Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--json out.json]
+"""
+import argparse
+import json
+
+import torch
+
+from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative_error
+from persistentkv.bench.measure import replay_medians, capture_graph
+
+CELLS = {"B8 L8K": [8192] * 8, "B1 L32K": [32768]}
+SHAPES = {"32/8/128": (32, 8, 128), "64/8/64": (64, 8, 64)}
+VARIANTS = {"plain": {}, "soft-cap 50": dict(logits_soft_cap=50.0), "sinks": dict(sinks=True)}
+
+
+def build(lens, hq, hkv, d, *, page=16, budget=40e9):
+    """A cache of scattered pages for the rows `lens`, with as many layers as fit the budget
+    (at most 32: more than the L2 between two reads of one pool) and their queries."""
+    pages = sum(-(-n // page) for n in lens) + 1
+    layers = max(1, min(32, int(budget // (pages * page * hkv * d * 4))))
+    cache = PagedKVCache(num_layers=layers, num_pages=pages, page_size=page, num_kv_heads=hkv,
+                         head_dim=d, dtype=torch.float16, layout="HND", device="cuda",
+                         shuffle_seed=0, init="randn")
+    for i, n in enumerate(lens):
+        cache.add_sequence(i)
+        cache.append_tokens(i, n)
+    indptr, indices, last = cache.page_table(list(range(len(lens)))).csr("cuda")
+    table = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
+    qs = [torch.randn(len(lens), hq, d, dtype=torch.float16, device="cuda") for _ in range(layers)]
+    return cache, table, qs
+
+
+def variant_costs(cache, table, qs, hq, hkv, d) -> dict:
+    graphs, errors = [], {}
+    sinks = 2.0 * torch.randn(hq, device="cuda")
+    for name, variant in VARIANTS.items():
+        w = DecodeWrapper("HND")
+        plan_kw = dict(table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
+                       logits_soft_cap=variant.get("logits_soft_cap", 0.0))
+        run_kw = dict(sinks=sinks) if variant.get("sinks") else {}
+        outs = [torch.full_like(q, float("nan")) for q in qs]
+        w.plan(**plan_kw)
+        w.run(qs[0], cache.pools[0], out=outs[0], **run_kw)
+        ref, _ = reference_decode(qs[0], cache.pools[0], layout="HND", **table,
+                                  logits_soft_cap=plan_kw["logits_soft_cap"], **run_kw)
+        errors[name] = relative_error(outs[0], ref)
+
+        def body(w=w, plan_kw=plan_kw, run_kw=run_kw, outs=outs):
+            w.plan(**plan_kw)
+            for i, q in enumerate(qs):
+                w.run(q, cache.pools[i], out=outs[i], **run_kw)
+        graphs.append(capture_graph(body))
+    runs = [[us / len(qs) for us in replay_medians(graphs, reps=30)] for _ in range(2)]
+    row = {}
+    for i, name in enumerate(VARIANTS):
+        us = [run[i] for run in runs]
+        row[name] = dict(us=us, x_plain=[u / run[0] for u, run in zip(us, runs)],
+                         error=errors[name])
+    return row
+
+
+def softcap_accuracy(cache, table, qs, hq, hkv, d) -> dict:
+    """Relative error of soft-cap 50 with scores of spread sigma (q scaled by sigma)."""
+    out = {}
+    for sigma in (1.0, 4.0, 16.0, 40.0):
+        q = (qs[0].float() * sigma).half()
+        w = DecodeWrapper("HND")
+        w.plan(**table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
+               logits_soft_cap=50.0)
+        got = w.run(q, cache.pools[0], out=torch.full_like(q, float("nan")))
+        ref, _ = reference_decode(q, cache.pools[0], layout="HND", **table, logits_soft_cap=50.0)
+        out[f"sigma {sigma:g}"] = relative_error(got, ref)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for cell, lens in CELLS.items():
+            cache, table, qs = build(lens, hq, hkv, d)
+            row = variant_costs(cache, table, qs, hq, hkv, d)
+            if shape == "32/8/128" and cell == "B8 L8K":
+                row["soft-cap 50 error by score spread"] = softcap_accuracy(cache, table, qs,
+                                                                          hq, hkv, d)
+            results[f"{shape} {cell}"] = row
+            print(shape, cell, json.dumps(row), flush=True)
+            del cache, qs
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
