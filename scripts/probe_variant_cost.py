@@ -3,7 +3,8 @@
 Cost: on the same cache and queries, the plain step and each variant (soft-cap 50, sinks) are
 captured as CUDA graphs (plan + one run per layer, each layer its own pool) and replayed in turn,
 each round starting one graph later, so a drift of the clocks falls on all alike; us per layer,
-median of the replays, the whole A/B twice to show the noise. Issue 17's bar: each variant
+median of the replays, the whole A/B twice to show the noise (--reverse captures plain last:
+in the first cell of a process the first graph captured, plain's, ran 2.1x slow, v18). Issue 17's bar: each variant
 <= 1.03x the plain step on B8 L8K and B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
@@ -39,10 +40,11 @@ def build(lens, hq, hkv, d, *, page=16, budget=40e9):
     return cache, table, qs
 
 
-def variant_costs(cache, table, qs, hq, hkv, d) -> dict:
-    graphs, errors = [], {}
+def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str]) -> dict:
+    graphs, errors, plans = [], {}, {}
     sinks = 2.0 * torch.randn(hq, device="cuda")
-    for name, variant in VARIANTS.items():
+    for name in order:
+        variant = VARIANTS[name]
         w = DecodeWrapper("HND")
         plan_kw = dict(table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
                        logits_soft_cap=variant.get("logits_soft_cap", 0.0))
@@ -53,6 +55,7 @@ def variant_costs(cache, table, qs, hq, hkv, d) -> dict:
         ref, _ = reference_decode(qs[0], cache.pools[0], layout="HND", **table,
                                   logits_soft_cap=plan_kw["logits_soft_cap"], **run_kw)
         errors[name] = relative_error(outs[0], ref)
+        plans[name] = {k: str(v) for k, v in w.current_plan.info().items()}
 
         def body(w=w, plan_kw=plan_kw, run_kw=run_kw, outs=outs):
             w.plan(**plan_kw)
@@ -61,10 +64,11 @@ def variant_costs(cache, table, qs, hq, hkv, d) -> dict:
         graphs.append(capture_graph(body))
     runs = [[us / len(qs) for us in replay_medians(graphs, reps=30)] for _ in range(2)]
     row = {}
-    for i, name in enumerate(VARIANTS):
+    plain = order.index("plain")
+    for i, name in enumerate(order):
         us = [run[i] for run in runs]
-        row[name] = dict(us=us, x_plain=[u / run[0] for u, run in zip(us, runs)],
-                         error=errors[name])
+        row[name] = dict(us=us, x_plain=[u / run[plain] for u, run in zip(us, runs)],
+                         error=errors[name], plan=plans[name])
     return row
 
 
@@ -85,12 +89,15 @@ def softcap_accuracy(cache, table, qs, hq, hkv, d) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--reverse", action="store_true",
+                        help="capture the variants in the reverse order (plain last)")
     args = parser.parse_args()
+    order = list(VARIANTS)[::-1] if args.reverse else list(VARIANTS)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for shape, (hq, hkv, d) in SHAPES.items():
         for cell, lens in CELLS.items():
             cache, table, qs = build(lens, hq, hkv, d)
-            row = variant_costs(cache, table, qs, hq, hkv, d)
+            row = variant_costs(cache, table, qs, hq, hkv, d, order=order)
             if shape == "32/8/128" and cell == "B8 L8K":
                 row["soft-cap 50 error by score spread"] = softcap_accuracy(cache, table, qs,
                                                                           hq, hkv, d)
