@@ -12,11 +12,13 @@ Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--json out.json]
 """
 import argparse
 import json
+import sys
 
 import torch
 
 from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative_error
-from persistentkv.bench.measure import replay_medians, capture_graph
+from persistentkv.bench.measure import capture_graph, replay_medians
+from persistentkv.bench.results import environment
 
 CELLS = {"B8 L8K": [8192] * 8, "B1 L32K": [32768]}
 SHAPES = {"32/8/128": (32, 8, 128), "64/8/64": (64, 8, 64)}
@@ -93,7 +95,8 @@ def main():
                         help="capture the variants in the reverse order (plain last)")
     args = parser.parse_args()
     order = list(VARIANTS)[::-1] if args.reverse else list(VARIANTS)
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results = {"environment": environment(torch.device("cuda"), command=sys.argv,
+                                          functional=False)}
     for shape, (hq, hkv, d) in SHAPES.items():
         for cell, lens in CELLS.items():
             cache, table, qs = build(lens, hq, hkv, d)
