@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="the [transformers] ex
 
 from paged_case import DEVICE, ON_GPU
 from persistentkv.integrations.transformers import (NAME, attend, paged_attention_forward, register,
-                                                    split_step)
+                                                    rows_of_queries, split_step)
 from persistentkv.wrapper import DecodeWrapper
 
 
@@ -30,6 +30,16 @@ def test_split_step_keeps_long_prefills_for_torch():
     assert rows.decode_queries.tolist() == [37, 38, 39, 40]
     assert rows.block_table[0, :3].tolist() == [2, 3, 4]
     assert rows.block_table[1, :2].tolist() == [10, 11]
+    fewer = split_step(cu_q, cu_k, reads, writes, block_size=4, max_queries=2)   # a group of 64
+    assert fewer.gathers == [(0, 37, 0, 8), (38, 41, 55, 59)] and fewer.seq_lens.tolist() == [10]
+
+
+@pytest.mark.parametrize("group, most", [(1, 16), (4, 16), (7, 16), (8, 16), (9, 8), (16, 8),
+                                         (32, 4), (128, 1)])
+def test_rows_of_queries_fit_a_tile(group, most):
+    """A request of more queries than this per row goes to torch (the kernel's tile holds at
+    most 128 rows of query tokens x group)."""
+    assert rows_of_queries(group) == most
 
 
 def test_split_step_of_a_window_group_reads_each_ring():

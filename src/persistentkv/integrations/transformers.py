@@ -15,7 +15,8 @@ would write them.
 
 Which request goes where, per layer group:
   * full attention: a request of at most 16 query tokens this step (a decode token, or a few
-    speculative ones) is a row of the decode kernel;
+    speculative ones; fewer where 16 x the group's heads would pass a tile's 128 rows) is a row
+    of the decode kernel;
   * sliding window (transformers keeps each request's last `sliding_window` tokens in a ring of
     slots, which wraps): a request of one query token is a row of the decode kernel over its ring,
     whose slots after the write hold exactly the tokens in its window (the softmax does not depend
@@ -41,7 +42,7 @@ import math
 import numpy as np
 import torch
 
-from ..queries import MAX_QUERIES_PER_ROW
+from ..queries import MAX_QUERIES_PER_ROW, MAX_TILE_ROWS
 from ..wrapper import DecodeWrapper
 
 NAME = "paged|persistentkv"
@@ -114,6 +115,15 @@ def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np
     gathered = np.setdiff1d(np.flatnonzero(n_q > 0), rows)
     gathers = [(int(q_lo[b]), int(cu_q[b + 1]), int(c_lo[b]), int(c_hi[b])) for b in gathered]
     return StepRows(table, lens.astype(np.int32), qo_indptr, decode_queries, gathers)
+
+
+def rows_of_queries(group: int) -> int:
+    """The most query tokens of a request in one kernel row: MAX_QUERIES_PER_ROW, fewer where
+    a tile of them x the group's heads would pass MAX_TILE_ROWS (a power of two)."""
+    most = MAX_QUERIES_PER_ROW
+    while most > 1 and most * group > MAX_TILE_ROWS:
+        most //= 2
+    return most
 
 
 def _ragged(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -234,6 +244,7 @@ def _split_groups(plans: dict, cache, query: torch.Tensor, cu_seq_lens_q, cu_seq
         windows[g] = _window(cache, layer)
         kinds[g] = "full_attention" if windows[g] is None else "sliding_attention"
     groups = sorted(windows)
+    row_queries = rows_of_queries(query.shape[1] // cache.num_key_value_heads)
     parts = [cu_seq_lens_q]
     for g in groups:
         parts += [cu_seq_lens_k[kinds[g]] if isinstance(cu_seq_lens_k, dict) else cu_seq_lens_k,
@@ -242,7 +253,8 @@ def _split_groups(plans: dict, cache, query: torch.Tensor, cu_seq_lens_q, cu_seq
     pieces = np.split(host, np.cumsum([p.numel() for p in parts])[:-1])
     for i, g in enumerate(groups):
         cu_k, writes, reads = pieces[1 + 3 * i: 4 + 3 * i]
-        rows = split_step(pieces[0], cu_k, reads, writes, cache.block_size, window=windows[g])
+        rows = split_step(pieces[0], cu_k, reads, writes, cache.block_size, window=windows[g],
+                          max_queries=row_queries)
         state = plans.setdefault(g, _GroupPlan())
         rows_q = int(rows.qo_indptr[-1])
         prefix = np.array_equal(rows.decode_queries, np.arange(rows_q))
