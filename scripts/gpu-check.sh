@@ -5,7 +5,7 @@
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|judge|pages|pdl|d512|longsplit|fp8vt|e2e ...]
+#                                        presets|judge|pages|pdl|d512|qtiles|longsplit|fp8vt|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -13,7 +13,8 @@
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
 # 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
-# with and without it; d512: head dim 512's tiles; longsplit: v17's balanced chunks for long
+# with and without it; d512: head dim 512's tiles; qtiles: launch shapes for rows of 4, 8 and
+# 16 queries (8 warps, one program an SM; 32-token tiles; 2 stages); longsplit: v17's balanced chunks for long
 # splits against the rule before (:balfrom0), twice, at $PRESETS (default the fitted presets with
 # few KV heads); fp8vt: an fp8 cache in HND against HND_VT (V's blocks transposed), both scale
 # granularities, alternated twice, with the fp16 step of the same cells; e2e: transformers end to end, each run
@@ -100,6 +101,14 @@ for step in $steps; do
     d512)      timeout 300 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
                  --head-dim 512 --backends pkv-auto,pkv-auto:blockn32:warps8:stages2,pkv-auto:blockn32:warps8:stages3,fi-tensor-core \
                  --out "$out" --tag d512-tiles > "$out/d512-log.txt" 2>&1; tail -1 "$out/d512-log.txt" ;;
+    qtiles)    mkdir -p "$out/qtiles"   # several queries a row: the tile's launch shape
+               for q in 4 8 16; do
+                 timeout 200 python3 -m persistentkv.cli bench --grid --q-len $q \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B8 L8K,B32 L32K,B4 zipf" \
+                   --backends pkv-auto,pkv-auto:warps8:pps1,pkv-auto:blockn32,pkv-auto:stages2,fi-prefill \
+                   --out "$out/qtiles" --tag "qtiles-q$q" > "$out/qtiles/qtiles-q$q-log.txt" 2>&1
+                 tail -1 "$out/qtiles/qtiles-q$q-log.txt"
+               done ;;
     longsplit) mkdir -p "$out/longsplit"
                for p in ${PRESETS:-qwen2.5-7b llama3-70b-tp4 llama3-70b-tp8}; do
                  for i in 1 2; do   # twice, for the noise
