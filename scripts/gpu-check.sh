@@ -14,13 +14,14 @@
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
 # 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
 # with and without it; d512: head dim 512's tiles; qtiles: launch shapes for rows of 4, 8 and
-# 16 queries (8 warps, one program an SM; 32-token tiles; 2 stages); longsplit: v17's balanced chunks for long
-# splits against the rule before (:balfrom0), twice, at $PRESETS (default the fitted presets with
-# few KV heads); fp8vt: an fp8 cache in HND against HND_VT (V's blocks transposed), both scale
-# granularities, alternated twice, with the fp16 step of the same cells; e2e: transformers end to end, each run
-# "model requests mean-prompt [flags]" of $E2E_RUNS (default qwen2.5-7b at 128 requests of about
-# 4K-token prompts without the teacher-forced run, about 310 s, and gpt-oss-20b at 32 of about 1K
-# with the profile; llama3-8b's 32 and 128 and qwen2.5-7b's 32 are measured, BENCHMARKS.md v17).
+# 16 queries (8 warps, one program an SM; 32-token tiles; 2 stages); longsplit: v17's balanced
+# chunks for long splits against the rule before (:balfrom0), twice, at $PRESETS (default the
+# fitted presets with few KV heads); fp8vt: an fp8 cache in HND against HND_VT (V's blocks
+# transposed), both scale granularities, alternated twice, with the fp16 step of the same
+# cells; e2e: transformers end to end, each run
+# "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about
+# 1K-token prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs
+# are measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
 out=${OUT_DIR:-results/$gpu}
@@ -137,7 +138,7 @@ for step in $steps; do
                    --ab-b "$out"/fp8vt/$g-HND_VT-{1,2}.json
                done ;;
     e2e)       mkdir -p "$out/e2e"
-               runs=${E2E_RUNS:-"qwen2.5-7b 128 4096 --no-teacher-forced;gpt-oss-20b 32 1024 --profile"}
+               runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
                for run in "${runs[@]}"; do
                  set -- $run

@@ -22,9 +22,9 @@ HW_TANH = tl.constexpr(not interpreting())   # _tanh: the hardware instruction, 
 
 @triton.jit
 def _tanh(x):
-    """tanh. On a GPU one MUFU.TANH (tanh.approx.f32: relative error about 2^-11, the hardware
-    tanh that FlashInfer's and FlashAttention's soft-cap use too). The interpreter, which runs no
-    PTX, takes one exp2 (accurate in fp32 at every magnitude: e^(-2|x|) never overflows)."""
+    """tanh. On a GPU one MUFU.TANH (tanh.approx.f32: relative error about 2^-11; FlashInfer's
+    and TensorRT-LLM's soft-caps use it too). The interpreter, which runs no PTX, takes one exp2
+    (accurate in fp32 at every magnitude: e^(-2|x|) never overflows)."""
     if HW_TANH:
         y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                       is_pure=True, pack=1)
