@@ -380,8 +380,8 @@ def test_e2e_profile_wrapper_restores_the_attention_interface():
 
 def test_e2e_profiled_run_of_a_tiny_model(tmp_path):
     """--profile on a tiny batch: attention's share (the CUDA kernels' time on a GPU, self CPU
-    time without one) in every row, the
-    attention interface as it was, the table's numbers in the JSON and a PNG beside it."""
+    time without one) and the host's time per step, attention's part inside it, in every row;
+    the attention interface as it was, the table's numbers in the JSON and a PNG beside it."""
     import json
 
     from transformers import AttentionInterface
@@ -401,6 +401,8 @@ def test_e2e_profiled_run_of_a_tiny_model(tmp_path):
         assert 0 < r["attention_ms"] <= r["profiled_ms"]
         assert r["profile_decode_steps"] >= 1 and r["attention_ms_per_decode_step"] > 0
         assert r["attention_calls_per_step"] == 2     # the tiny model's two layers
+        for kind in ("decode", "prefill"):            # host wall times, attention's inside
+            assert 0 < r[f"attention_host_ms_per_{kind}_step"] < r[f"host_ms_per_{kind}_step"]
     saved = json.loads((tmp_path / "p.json").read_text())["rows"]
     assert saved[1]["attention_share"] == rows[1]["attention_share"]
     assert (tmp_path / "p.png").stat().st_size > 1024

@@ -49,7 +49,10 @@ decode steps (the prefill dominates a short run of long prompts); attention_ms_p
 attention_ms and profiled_ms (the totals); device_ms_unlinked, kernel time the profiler linked to
 no CPU event (counted in the total, in no range: if it is large the shares are low bounds);
 pkv_kernel_ms, the device time of PersistentKV's own kernels by name (PKV_KERNELS: planner, page
-guard, decode; prefills never reach them), which needs no linking. On
+guard, decode; prefills never reach them), which needs no linking; host_ms_per_decode_step and
+host_ms_per_prefill_step, the host's wall time of a model forward of each kind, and
+attention_host_ms_per_*_step the part of it inside the attention function (with the profiler's
+overhead, which grows with the number of ops: for comparing implementations, not for timing). On
 the CPU the times are self CPU time (profile_basis says which), under Triton's interpreter a
 measure of the interpreter, not of the kernels.
 
@@ -358,14 +361,20 @@ def profile_one(model, impl: str, prompts, *, new_tokens: int) -> dict:
     Device (CUDA kernel) time on a GPU, self CPU time on the CPU (profile_basis says which)."""
     cuda = model.device.type == "cuda"
     calls = {"attention": 0, "decode": 0, "prefill": 0}
+    host = {"decode": 0.0, "prefill": 0.0, "attention decode": 0.0, "attention prefill": 0.0}
     open_steps = []
 
     def wrap(fn):
         @functools.wraps(fn)
         def profiled_attention(*args, **kwargs):
             calls["attention"] += 1
-            with torch.profiler.record_function(ATTENTION_LABEL):
-                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                with torch.profiler.record_function(ATTENTION_LABEL):
+                    return fn(*args, **kwargs)
+            finally:
+                if open_steps:
+                    host["attention " + open_steps[-1][1]] += time.perf_counter() - start
         return profiled_attention
 
     def step_starts(module, args, kwargs):
@@ -374,11 +383,13 @@ def profile_one(model, impl: str, prompts, *, new_tokens: int) -> dict:
         calls[kind] += 1
         rf = torch.profiler.record_function(STEP_LABELS[kind])
         rf.__enter__()
-        open_steps.append(rf)
+        open_steps.append((rf, kind, time.perf_counter()))
 
     def step_ends(module, args, kwargs, output):
         if open_steps:
-            open_steps.pop().__exit__(None, None, None)
+            rf, kind, start = open_steps.pop()
+            host[kind] += time.perf_counter() - start
+            rf.__exit__(None, None, None)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -401,6 +412,11 @@ def profile_one(model, impl: str, prompts, *, new_tokens: int) -> dict:
                 "attention_calls_per_step": calls["attention"] / steps if steps else math.nan,
                 "attention_ms_per_decode_step": (row.pop("_decode_attention_ms") / calls["decode"]
                                                  if calls["decode"] else math.nan)})
+    for kind in ("decode", "prefill"):   # host wall times, profiler overhead included
+        n = calls[kind]
+        row[f"host_ms_per_{kind}_step"] = host[kind] * 1e3 / n if n else math.nan
+        row[f"attention_host_ms_per_{kind}_step"] = (host["attention " + kind] * 1e3 / n
+                                                     if n else math.nan)
     return row
 
 
@@ -536,7 +552,9 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
 PROFILE_KEYS = ("profile_basis", "attention_share", "decode_attention_share",
                 "attention_ms_per_decode_step", "attention_ms", "profiled_ms",
                 "device_ms_unlinked", "pkv_kernel_ms", "profile_new_tokens", "profile_decode_steps",
-                "profile_prefill_steps", "attention_calls_per_step")
+                "profile_prefill_steps", "attention_calls_per_step", "host_ms_per_decode_step",
+                "attention_host_ms_per_decode_step", "host_ms_per_prefill_step",
+                "attention_host_ms_per_prefill_step")
 
 
 def plot_e2e(rows: list[dict], path: Path, *, title: str = "") -> Path:
