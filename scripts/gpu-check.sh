@@ -5,7 +5,8 @@
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|judge|pages|pdl|d512|qtiles|longsplit|fp8vt|e2e ...]
+#                                        presets|judge|pages|pdl|d512|qtiles|smallcells|longsplit|
+#                                        fp8vt|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -14,7 +15,8 @@
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
 # 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
 # with and without it; d512: head dim 512's tiles; qtiles: launch shapes for rows of 4, 8 and
-# 16 queries (8 warps, one program an SM; 32-token tiles; 2 stages); longsplit: v17's balanced
+# 16 queries (8 warps, one program an SM; 32-token tiles; 2 stages); smallcells: three programs
+# an SM on one KV head's small steps (llama3-70b-tp8, gpt-oss-tp8); longsplit: v17's balanced
 # chunks for long splits against the rule before (:balfrom0), twice, at $PRESETS (default the
 # fitted presets with few KV heads); fp8vt: an fp8 cache in HND against HND_VT (V's blocks
 # transposed), both scale granularities, alternated twice, with the fp16 step of the same
@@ -109,6 +111,15 @@ for step in $steps; do
                    --backends pkv-auto,pkv-auto:warps8:pps1,pkv-auto:blockn32,pkv-auto:stages2,fi-prefill \
                    --out "$out/qtiles" --tag "qtiles-q$q" > "$out/qtiles/qtiles-q$q-log.txt" 2>&1
                  tail -1 "$out/qtiles/qtiles-q$q-log.txt"
+               done ;;
+    smallcells) mkdir -p "$out/smallcells"   # one KV head's small steps: programs per SM
+               for p in llama3-70b-tp8 gpt-oss-tp8; do
+                 timeout 200 python3 -m persistentkv.cli bench --grid --preset "$p" \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B4 zipf,B128 L1K,B8 L32K" \
+                   --backends pkv-auto,pkv-auto:pps3,pkv-auto:stages2,fi-xqa,fi-tensor-core \
+                   --out "$out/smallcells" --tag "smallcells-$p" \
+                   > "$out/smallcells/smallcells-$p-log.txt" 2>&1
+                 tail -1 "$out/smallcells/smallcells-$p-log.txt"
                done ;;
     longsplit) mkdir -p "$out/longsplit"
                for p in ${PRESETS:-qwen2.5-7b llama3-70b-tp4 llama3-70b-tp8}; do
