@@ -243,6 +243,17 @@ def test_e2e_model_shapes():
                                                                        "full_attention"]
 
 
+def test_e2e_cli_offers_every_model():
+    """The CLI's --model choices are written out (its parser imports no torch); they must be
+    MODELS' names."""
+    from persistentkv.bench.e2e import MODELS
+    from persistentkv.cli import build_parser
+
+    e2e = build_parser()._subparsers._group_actions[0].choices["e2e"]
+    model = next(a for a in e2e._actions if a.dest == "model")
+    assert sorted(model.choices) == sorted(MODELS)
+
+
 def test_e2e_agreement_and_prompts():
     from persistentkv.bench.e2e import AGREEMENT_TOKENS, agreement, prompts_for
 

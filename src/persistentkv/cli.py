@@ -313,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e2e = sub.add_parser("e2e", help="a random-weight model in transformers' continuous batching, "
                                      "paged|persistentkv against transformers' paged attention")
+    # bench.e2e.MODELS' names, written out: that module imports torch (a test keeps them equal)
     e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "gpt-oss-20b", "tiny",
                                          "tiny-gpt-oss"],
                      help="default: llama3-8b on a GPU, tiny on the CPU")
