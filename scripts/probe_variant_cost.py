@@ -4,11 +4,11 @@ Cost: on the same cache and queries, the plain step and each variant (soft-cap 5
 captured as CUDA graphs (plan + one run per layer, each layer its own pool) and replayed in turn,
 each round starting one graph later, so a drift of the clocks falls on all alike; us per layer,
 median of the replays, the whole A/B twice to show the noise (--reverse captures plain last:
-in the first cell of a process the first graph captured, plain's, ran 2.1x slow, v18). Issue 17's bar: each variant
-<= 1.03x the plain step on B8 L8K and B1 L32K.
+in the first cell of a process the first graph captured, plain's, ran 2.1x slow, v18). Issue
+17's bar: each variant <= 1.03x the plain step on B8 L8K and B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
-Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--json out.json]
+Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--json out.json]
 """
 import argparse
 import json
