@@ -16,30 +16,21 @@ import sys
 
 import torch
 
-from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative_error
+from persistentkv import DecodeWrapper, reference_decode, relative_error
 from persistentkv.bench.measure import capture_graph, replay_medians
 from persistentkv.bench.results import environment
+import probe_cells   # this script's folder is on sys.path when it runs
 
 CELLS = {"B8 L8K": [8192] * 8, "B1 L32K": [32768]}
 SHAPES = {"32/8/128": (32, 8, 128), "64/8/64": (64, 8, 64)}
 VARIANTS = {"plain": {}, "soft-cap 50": dict(logits_soft_cap=50.0), "sinks": dict(sinks=True)}
 
 
-def build(lens, hq, hkv, d, *, page=16, budget=40e9):
-    """A cache of scattered pages for the rows `lens`, with as many layers as fit the budget
-    (at most 32: more than the L2 between two reads of one pool) and their queries."""
-    pages = sum(-(-n // page) for n in lens) + 1
-    layers = max(1, min(32, int(budget // (pages * page * hkv * d * 4))))
-    cache = PagedKVCache(num_layers=layers, num_pages=pages, page_size=page, num_kv_heads=hkv,
-                         head_dim=d, dtype=torch.float16, layout="HND", device="cuda",
-                         shuffle_seed=0, init="randn")
-    for i, n in enumerate(lens):
-        cache.add_sequence(i)
-        cache.append_tokens(i, n)
-    indptr, indices, last = cache.page_table(list(range(len(lens)))).csr("cuda")
-    table = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
-    qs = [torch.randn(len(lens), hq, d, dtype=torch.float16, device="cuda") for _ in range(layers)]
-    return cache, table, qs
+def build(lens, hq, hkv, d):
+    """probe_cells' cell (scattered pages, as many layers as 40 GB hold, at most 32), with its
+    page table as plan()'s CSR keywords."""
+    cache, (indptr, indices, last), qs = probe_cells.cell(lens, hq, hkv, d)
+    return cache, dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last), qs
 
 
 def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str]) -> dict:
