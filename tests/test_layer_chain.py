@@ -15,6 +15,9 @@ def test_pdl_must_be_a_bool():
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match=f"KernelConfig.pdl must be a bool, got {bad!r}"):
             KernelConfig(pdl=bad)
+    for bad in ("yes", 0):                      # the other bool field, checked alike
+        with pytest.raises(ValueError, match=f"KernelConfig.one_round must be a bool, got {bad!r}"):
+            KernelConfig(one_round=bad)
 
 
 def test_pdl_suffix_parses():

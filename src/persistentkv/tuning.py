@@ -60,8 +60,9 @@ class KernelConfig:
                 continue
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"KernelConfig.pdl must be a bool, got {self.pdl!r}")
+        for name in ("one_round", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 
