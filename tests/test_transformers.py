@@ -16,29 +16,39 @@ from persistentkv.integrations.transformers import (NAME, attend, paged_attentio
 from persistentkv.wrapper import DecodeWrapper
 
 
-def test_split_step_keeps_long_prefills_for_torch():
-    """Of a step with a request of 37 queries over 45 tokens, a decode token over 10 and a
-    request of 3 queries over 7 (block 4): the first is gathered, the others are decode rows,
-    their queries at positions 37 and 38-40 of the step; a request without queries is neither."""
+def test_split_step_cuts_long_requests_into_rows():
+    """Of a step with a request of 37 queries over 45 tokens (8 cached), a decode token over 10
+    and a request of 3 queries over 7 (block 4): the first is three rows of 16, 16 and 5 of its
+    queries, over its first 24, 40 and 45 tokens, then a row of one query and one of three, at
+    positions 37 and 38-40 of the step; a request without queries is neither row nor gather."""
     cu_q = np.array([0, 37, 38, 41, 41])     # and a request with no query this step
     cu_k = np.array([0, 45, 55, 62, 62])
     reads = np.concatenate([np.arange(100, 145), np.arange(8, 18), np.arange(40, 47)])
     writes = np.concatenate([np.arange(108, 145), [17], [44, 45, 46]])
     rows = split_step(cu_q, cu_k, reads, writes, block_size=4)
-    assert rows.gathers == [(0, 37, 0, 8)]              # 8 cached tokens, then the 37 new ones
-    assert rows.seq_lens.tolist() == [10, 7] and rows.qo_indptr.tolist() == [0, 1, 4]
-    assert rows.decode_queries.tolist() == [37, 38, 39, 40]
-    assert rows.block_table[0, :3].tolist() == [2, 3, 4]
-    assert rows.block_table[1, :2].tolist() == [10, 11]
+    assert rows.gathers == []
+    assert rows.seq_lens.tolist() == [24, 40, 45, 10, 7]
+    assert rows.qo_indptr.tolist() == [0, 16, 32, 37, 38, 41]
+    assert rows.decode_queries.tolist() == list(range(41))
+    assert rows.block_table[2, :12].tolist() == list(range(25, 37))   # slots 100-144
+    assert rows.block_table[0, :6].tolist() == list(range(25, 31))
+    assert rows.block_table[3, :3].tolist() == [2, 3, 4]
+    assert rows.block_table[4, :2].tolist() == [10, 11]
     fewer = split_step(cu_q, cu_k, reads, writes, block_size=4, max_queries=2)   # a group of 64
-    assert fewer.gathers == [(0, 37, 0, 8), (38, 41, 55, 59)] and fewer.seq_lens.tolist() == [10]
+    assert fewer.gathers == [] and fewer.seq_lens.tolist()[-3:] == [10, 6, 7]
+    assert fewer.qo_indptr.tolist()[-4:] == [37, 38, 40, 41]
+    fresh = split_step(np.array([0, 20, 23]), np.array([0, 20, 23]), np.zeros(0, np.int64),
+                       np.concatenate([np.arange(40, 60), [8, 9, 10]]), block_size=4)
+    assert fresh.seq_lens.tolist() == [16, 20, 3] and fresh.gathers == []
+    assert fresh.block_table[1, :5].tolist() == list(range(10, 15))
+    assert fresh.block_table[2, :1].tolist() == [2]
 
 
 @pytest.mark.parametrize("group, most", [(1, 16), (4, 16), (7, 16), (8, 16), (9, 8), (16, 8),
                                          (32, 4), (128, 1)])
 def test_rows_of_queries_fit_a_tile(group, most):
-    """A request of more queries than this per row goes to torch (the kernel's tile holds at
-    most 128 rows of query tokens x group)."""
+    """A request of more queries than this is cut into several rows (the kernel's tile holds
+    at most 128 rows of query tokens x group)."""
     assert rows_of_queries(group) == most
 
 
@@ -129,7 +139,7 @@ def test_generate_batch_matches_paged_sdpa():
     assert tokens[NAME] == tokens["paged|sdpa"]
     assert len(calls) >= 2 * 6                      # every layer of every step came through us
     assert kernel_runs.count(len(prompts)) >= 2 * 5   # every decode step: one kernel run a layer
-    assert max(kernel_runs) <= 16, kernel_runs          # prefills of 20 and 38 tokens went to sdpa
+    assert kernel_runs[:2] == [sum(map(len, prompts))] * 2, kernel_runs   # the prompts too
 
 
 def _tiny_model(arch: str, **config):
@@ -530,20 +540,23 @@ def test_split_step_reads_each_querys_tokens_from_transformers_indices(block_siz
             b = int(np.searchsorted(cu_q, i, side="right")) - 1
             if slot != trash:
                 held[slot] = (live[b], past[live[b]] + i - cu_q[b])
-        decoded = {q_lo for q_lo, *_ in rows.gathers}
-        row = 0
-        for b, r in enumerate(live):
-            if cu_q[b] in decoded:
-                continue
-            n, newest = cu_q[b + 1] - cu_q[b], past[r] + cu_q[b + 1] - cu_q[b] - 1
+        gathered = {q_lo for q_lo, *_ in rows.gathers}
+        covered = []
+        for row in range(len(rows.seq_lens)):   # a row: consecutive queries of one request
+            queries = rows.decode_queries[rows.qo_indptr[row]:rows.qo_indptr[row + 1]].tolist()
+            b = int(np.searchsorted(cu_q, queries[0], side="right")) - 1
+            assert queries == list(range(queries[0], queries[-1] + 1)) and queries[-1] < cu_q[b + 1]
+            r, newest = live[b], past[live[b]] + queries[-1] - cu_q[b]
             first = 0 if window is None else max(0, newest - window + 1)
             pages, length = rows.block_table[row], int(rows.seq_lens[row])
             seen = [held[int(pages[t // block_size]) * block_size + t % block_size]
                     for t in range(length)]
             want = [(r, p) for p in range(first, newest + 1)]
             assert (seen if window is None else sorted(seen)) == want
-            assert window is None or n == 1
-            row += 1
-        assert row == len(rows.seq_lens)
+            assert window is None or len(queries) == 1
+            covered += queries
+        assert window is not None or not gathered          # full attention: every request
+        assert sorted(covered + [i for b in range(len(live)) if cu_q[b] in gathered
+                                 for i in range(cu_q[b], cu_q[b + 1])]) == list(range(cu_q[-1]))
         for b, r in enumerate(live):
             past[r] += cu_q[b + 1] - cu_q[b]

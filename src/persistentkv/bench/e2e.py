@@ -49,12 +49,12 @@ decode steps (the prefill dominates a short run of long prompts); attention_ms_p
 attention_ms and profiled_ms (the totals); device_ms_unlinked, kernel time the profiler linked to
 no CPU event (counted in the total, in no range: if it is large the shares are low bounds);
 pkv_kernel_ms, the device time of PersistentKV's own kernels by name (PKV_KERNELS: planner, page
-guard, decode; prefills never reach them), which needs no linking; host_ms_per_decode_step and
-host_ms_per_prefill_step, the host's wall time of a model forward of each kind, and
-attention_host_ms_per_*_step the part of it inside the attention function (with the profiler's
-overhead, which grows with the number of ops: for comparing implementations, not for timing). On
-the CPU the times are self CPU time (profile_basis says which), under Triton's interpreter a
-measure of the interpreter, not of the kernels.
+guard, decode: in full-attention layers the prefills' too), which needs no linking;
+host_ms_per_decode_step and host_ms_per_prefill_step, the host's wall time of a model forward of
+each kind, and attention_host_ms_per_*_step the part of it inside the attention function (with
+the profiler's overhead, which grows with the number of ops: for comparing implementations, not
+for timing). On the CPU the times are self CPU time (profile_basis says which), under Triton's
+interpreter a measure of the interpreter, not of the kernels.
 
 Files: <tag>.json (the environment and the rows) and <tag>.png in --out: decode tokens/s per
 implementation against the number of requests and, when profiled, attention's shares.

@@ -14,15 +14,17 @@ path (one host read for the whole step); the new tokens' K/V are written where t
 would write them.
 
 Which request goes where, per layer group:
-  * full attention: a request of at most 16 query tokens this step (a decode token, or a few
-    speculative ones; fewer where 16 x the group's heads would pass a tile's 128 rows) is a row
-    of the decode kernel;
+  * full attention: every request is attended by the decode kernel, in rows of at most 16 of
+    its query tokens (fewer where 16 x the group's heads would pass a tile's 128 rows), each row
+    over the request's tokens through its last query (causal): a decode token or a few
+    speculative ones make one row, a prompt or a prefill chunk of n tokens ceil(n / 16) rows
+    in the same launch as the step's decode rows;
   * sliding window (transformers keeps each request's last `sliding_window` tokens in a ring of
     slots, which wraps): a request of one query token is a row of the decode kernel over its ring,
     whose slots after the write hold exactly the tokens in its window (the softmax does not depend
     on their order);
-  * every other request (a prompt, a prefill chunk, several queries in a window layer) is
-    attended with torch on its tokens: the cached ones gathered from the cache before the write
+  * a window layer's request of several queries (a prompt, a prefill chunk) is attended with
+    torch on its tokens: the cached ones gathered from the cache before the write
     (a ring slot may be overwritten by it), then the step's new ones, causal with the queries at
     the end, inside the window where there is one. Not this kernel's work.
 Attention sinks (gpt-oss's `s_aux`, one logit per head) and logit soft-capping (Gemma-2's
@@ -80,7 +82,9 @@ def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np
     attends to, in order, the new ones last (slot // block_size is the page); an empty `reads`
     means a step of fresh prompts only (nothing cached). window: the group's sliding window
     (its reads then hold at most window - 1 cached tokens and a placeholder per new one), None
-    for full attention. A request with no query this step is neither a row nor a gather."""
+    for full attention: every request is then rows of at most max_queries of its queries
+    (consecutive ones), each over its tokens through its last query. A request with no query
+    this step is neither a row nor a gather."""
     cu_q, cu_k = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
     reads, writes = np.asarray(reads, dtype=np.int64), np.asarray(writes, dtype=np.int64)
     n_q, q_lo = np.diff(cu_q), cu_q[:-1]
@@ -88,12 +92,17 @@ def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np
         c_lo, c_hi = cu_k[:-1], cu_k[1:] - n_q
     else:
         c_lo = c_hi = np.zeros_like(n_q)
-    if window is None:
-        rows = np.flatnonzero((n_q > 0) & (n_q <= max_queries))
-        lens = np.diff(cu_k)[rows]
-        src, first = (reads, cu_k[:-1][rows]) if len(reads) else (writes, q_lo[rows])
+    if window is None:   # every request, in rows of at most max_queries of its queries
+        req = np.flatnonzero(n_q > 0)
+        req_of, chunk = _ragged(-(-n_q[req] // max_queries))
+        b = req[req_of]                                       # the request of each row
+        first_query = chunk * max_queries                     # of the request's queries
+        counts = np.minimum(max_queries, n_q[b] - first_query)
+        lens = (c_hi - c_lo)[b] + first_query + counts        # its tokens through its last query
+        src, first = (reads, cu_k[:-1][b]) if len(reads) else (writes, q_lo[b])
         row, col = _ragged(-(-lens // block_size))            # (row, its j-th page)
         pages = src[first[row] + col * block_size] // block_size
+        row_q_lo = q_lo[b] + first_query
     else:
         cand = np.flatnonzero(n_q == 1)
         ring_row, j = _ragged(c_hi[cand] - c_lo[cand] + 1)    # cached slots, then the new one
@@ -102,23 +111,23 @@ def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np
             if len(reads) else np.zeros_like(j)
         slots = np.where(last, writes[q_lo[cand][ring_row]], cached)
         ok, row, col, pages = _ring_rows(slots, ring_row, len(cand), block_size)
-        rows, lens = cand[ok], np.bincount(ring_row, minlength=len(cand))[ok]
+        b, lens = cand[ok], np.bincount(ring_row, minlength=len(cand))[ok]
         renumber = np.cumsum(ok) - 1
         keep = ok[row]
         row, col, pages = renumber[row[keep]], col[keep], pages[keep]
-    table = np.zeros((len(rows), int(col.max()) + 1 if len(col) else 1), dtype=np.int32)
+        counts, row_q_lo = n_q[b], q_lo[b]
+    table = np.zeros((len(b), int(col.max()) + 1 if len(col) else 1), dtype=np.int32)
     table[row, col] = pages
-    counts = n_q[rows]
     qo_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     query_row, query_j = _ragged(counts)
-    decode_queries = q_lo[rows][query_row] + query_j
-    gathered = np.setdiff1d(np.flatnonzero(n_q > 0), rows)
-    gathers = [(int(q_lo[b]), int(cu_q[b + 1]), int(c_lo[b]), int(c_hi[b])) for b in gathered]
+    decode_queries = row_q_lo[query_row] + query_j
+    gathered = np.setdiff1d(np.flatnonzero(n_q > 0), b)
+    gathers = [(int(q_lo[r]), int(cu_q[r + 1]), int(c_lo[r]), int(c_hi[r])) for r in gathered]
     return StepRows(table, lens.astype(np.int32), qo_indptr, decode_queries, gathers)
 
 
 def rows_of_queries(group: int) -> int:
-    """The most query tokens of a request in one kernel row: MAX_QUERIES_PER_ROW, fewer where
+    """The most query tokens of a kernel row: MAX_QUERIES_PER_ROW, fewer where
     a tile of them x the group's heads would pass MAX_TILE_ROWS (a power of two)."""
     most = MAX_QUERIES_PER_ROW
     while most > 1 and most * group > MAX_TILE_ROWS:
