@@ -5,25 +5,26 @@
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|judge|pages|pdl|d512|qtiles|smallcells|longsplit|
-#                                        fp8vt|e2e ...]
+#                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
+#                                        longsplit|fp8vt|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
 # policy per preset of $PRESETS (default the shapes without a shipped one), fitted and judged on
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
-# 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone
-# with and without it; d512: head dim 512's tiles; qtiles: launch shapes for rows of 4, 8 and
-# 16 queries (8 warps, one program an SM; 32-token tiles; 2 stages); smallcells: three programs
-# an SM on one KV head's small steps (llama3-70b-tp8, gpt-oss-tp8); longsplit: v17's balanced
-# chunks for long splits against the rule before (:balfrom0), twice, at $PRESETS (default the
-# fitted presets with few KV heads); fp8vt: an fp8 cache in HND against HND_VT (V's blocks
-# transposed), both scale granularities, alternated twice, with the fp16 step of the same
-# cells; e2e: transformers end to end, each run
-# "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about
-# 1K-token prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs
-# are measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
+# 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone with
+# and without it; d256: gemma2-9b's tiles and splits on the mixed batches where FlashInfer's
+# CUDA-core path is ahead (v19: 0.96-0.99x on B8 traces); d512: head dim 512's tiles; qtiles:
+# launch shapes for rows of 4, 8 and 16 queries (8 warps, one program an SM; 32-token tiles; 2
+# stages); smallcells: three programs an SM on one KV head's small steps (llama3-70b-tp8,
+# gpt-oss-tp8); longsplit: v17's balanced chunks for long splits against the rule before
+# (:balfrom0), twice, at $PRESETS (default the fitted presets with few KV heads); fp8vt: an fp8
+# cache in HND against HND_VT (V's blocks transposed), both scale granularities, alternated twice,
+# with the fp16 step of the same cells; e2e: transformers end to end, each run "model requests
+# mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token prompts
+# and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are measured,
+# BENCHMARKS.md v18: one at 128 requests takes about 310 s).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
 out=${OUT_DIR:-results/$gpu}
@@ -100,6 +101,14 @@ for step in $steps; do
                  timeout 200 python3 -m persistentkv.cli bench --grid --cells "B1 L1K,B8 L1K,B8 L8K" \
                    --backends pkv-auto,pkv-auto:pdl1 --out "$out" --tag pdl-alone-$i \
                    > "$out/pdl-alone-log.txt" 2>&1; tail -1 "$out/pdl-alone-log.txt"
+               done ;;
+    d256)      mkdir -p "$out/d256"
+               for i in 1 2; do   # twice, for the noise
+                 timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
+                   --cells "B8 bimodal,B8 uniform,B8 zipf,B4 bimodal,B8 L8K,B1 L32K" \
+                   --backends pkv-auto,pkv-auto:blockn64:stages2,pkv-auto:blockn16:stages4,pkv-auto:waves3,fi-cuda-core,fi-tensor-core \
+                   --out "$out/d256" --tag "d256-$i" > "$out/d256/d256-$i-log.txt" 2>&1
+                 tail -1 "$out/d256/d256-$i-log.txt"
                done ;;
     d512)      timeout 300 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
                  --head-dim 512 --backends pkv-auto,pkv-auto:blockn32:warps8:stages2,pkv-auto:blockn32:warps8:stages3,fi-tensor-core \

@@ -4,14 +4,20 @@ Cost: on the same cache and queries, the plain step and each variant (soft-cap 5
 captured as CUDA graphs (plan + one run per layer, each layer its own pool) and replayed in turn,
 each round starting one graph later, so a drift of the clocks falls on all alike; us per layer,
 median of the replays, the whole A/B twice to show the noise (--reverse captures plain last:
-in the first cell of a process the first graph captured, plain's, ran 2.1x slow, v18). Issue
-17's bar: each variant <= 1.03x the plain step on B8 L8K and B1 L32K.
+in the first cell of a process the first graph captured, plain's, ran 2.1x slow, v18; v19: so
+did sinks' when captured first). --first-twice captures the first variant twice, the first copy
+reported as "<name>, first capture", to tell a slow first capture from a slow first variant;
+--dump-graphs DIR writes each graph of the first cell as a DOT file (its nodes and their launch
+parameters) to compare them. Issue 17's bar: each variant <= 1.03x the plain step on B8 L8K and
+B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
-Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--json out.json]
+Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-twice]
+     [--dump-graphs DIR] [--json out.json]
 """
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -33,11 +39,16 @@ def build(lens, hq, hkv, d):
     return cache, dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last), qs
 
 
-def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str]) -> dict:
+FIRST = ", first capture"   # the label of a variant's extra, first capture (--first-twice)
+
+
+def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
+                  dump_dir: str | None = None) -> dict:
+    """order: labels, each a VARIANTS name, or one with FIRST after it (the same variant)."""
     graphs, errors, plans = [], {}, {}
     sinks = 2.0 * torch.randn(hq, device="cuda")
-    for name in order:
-        variant = VARIANTS[name]
+    for n, name in enumerate(order):
+        variant = VARIANTS[name.removesuffix(FIRST)]
         w = DecodeWrapper("HND")
         plan_kw = dict(table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
                        logits_soft_cap=variant.get("logits_soft_cap", 0.0))
@@ -54,7 +65,8 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str]) -> dict:
             w.plan(**plan_kw)
             for i, q in enumerate(qs):
                 w.run(q, cache.pools[i], out=outs[i], **run_kw)
-        graphs.append(capture_graph(body))
+        dump = dump_dir and os.path.join(dump_dir, f"graph{n}-{name.replace(' ', '_')}.dot")
+        graphs.append(capture_graph(body, dump_to=dump))
     runs = [[us / len(qs) for us in replay_medians(graphs, reps=30)] for _ in range(2)]
     row = {}
     plain = order.index("plain")
@@ -84,14 +96,24 @@ def main():
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--reverse", action="store_true",
                         help="capture the variants in the reverse order (plain last)")
+    parser.add_argument("--first-twice", action="store_true",
+                        help="capture the first variant twice, before the others")
+    parser.add_argument("--dump-graphs", metavar="DIR",
+                        help="write the first cell's graphs here as DOT files")
     args = parser.parse_args()
     order = list(VARIANTS)[::-1] if args.reverse else list(VARIANTS)
+    if args.first_twice:
+        order = [order[0] + FIRST] + order
+    dump_dir = args.dump_graphs
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
     results = {"environment": environment(torch.device("cuda"), command=sys.argv,
                                           functional=False)}
     for shape, (hq, hkv, d) in SHAPES.items():
         for cell, lens in CELLS.items():
             cache, table, qs = build(lens, hq, hkv, d)
-            row = variant_costs(cache, table, qs, hq, hkv, d, order=order)
+            row = variant_costs(cache, table, qs, hq, hkv, d, order=order, dump_dir=dump_dir)
+            dump_dir = None                                   # the first cell's graphs only
             if shape == "32/8/128" and cell == "B8 L8K":
                 row["soft-cap 50 error by score spread"] = softcap_accuracy(cache, table, qs,
                                                                           hq, hkv, d)

@@ -142,16 +142,21 @@ def _step_body(backend: Backend, step: StepInputs, layers: int):
     return body
 
 
-def capture_graph(body) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of body(), warmed up once on the capture stream and replayed once."""
+def capture_graph(body, *, dump_to: str | None = None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of body(), warmed up once on the capture stream and replayed once;
+    dump_to: a path for the graph's nodes as a DOT file (CUDA's debug dump)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):          # warm-up on the capture stream
         body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    if dump_to:
+        graph.enable_debug_mode()
     with torch.cuda.graph(graph):
         body()
+    if dump_to:
+        graph.debug_dump(dump_to)
     graph.replay()
     return graph
 
