@@ -1,7 +1,7 @@
 """transformers' continuous batching through "paged|persistentkv": a tiny random Llama gives the
 same greedy tokens as transformers' own "paged|sdpa", with prompts shorter and longer than 16
-tokens (the longer ones' prefills through torch's sdpa), and the decode steps run through
-PersistentKV's kernel."""
+tokens, every step through PersistentKV's kernel (prompts as rows of 16 queries; in window layers
+staged); models with windows, sinks and soft-cap give transformers' eager tokens."""
 import numpy as np
 import pytest
 import torch
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
 
 from paged_case import DEVICE, ON_GPU
-from persistentkv.integrations.transformers import (NAME, attend, paged_attention_forward, register,
+from persistentkv.integrations.transformers import (NAME, paged_attention_forward, register,
                                                     rows_of_queries, split_step)
 from persistentkv.wrapper import DecodeWrapper
 
@@ -20,13 +20,14 @@ def test_split_step_cuts_long_requests_into_rows():
     """Of a step with a request of 37 queries over 45 tokens (8 cached), a decode token over 10
     and a request of 3 queries over 7 (block 4): the first is three rows of 16, 16 and 5 of its
     queries, over its first 24, 40 and 45 tokens, then a row of one query and one of three, at
-    positions 37 and 38-40 of the step; a request without queries is neither row nor gather."""
+    positions 37 and 38-40 of the step; a request without queries is in no row; nothing is
+    staged without a window."""
     cu_q = np.array([0, 37, 38, 41, 41])     # and a request with no query this step
     cu_k = np.array([0, 45, 55, 62, 62])
     reads = np.concatenate([np.arange(100, 145), np.arange(8, 18), np.arange(40, 47)])
     writes = np.concatenate([np.arange(108, 145), [17], [44, 45, 46]])
-    rows = split_step(cu_q, cu_k, reads, writes, block_size=4)
-    assert rows.gathers == []
+    rows, staged = split_step(cu_q, cu_k, reads, writes, block_size=4)
+    assert staged is None
     assert rows.seq_lens.tolist() == [24, 40, 45, 10, 7]
     assert rows.qo_indptr.tolist() == [0, 16, 32, 37, 38, 41]
     assert rows.decode_queries.tolist() == list(range(41))
@@ -34,12 +35,13 @@ def test_split_step_cuts_long_requests_into_rows():
     assert rows.block_table[0, :6].tolist() == list(range(25, 31))
     assert rows.block_table[3, :3].tolist() == [2, 3, 4]
     assert rows.block_table[4, :2].tolist() == [10, 11]
-    fewer = split_step(cu_q, cu_k, reads, writes, block_size=4, max_queries=2)   # a group of 64
-    assert fewer.gathers == [] and fewer.seq_lens.tolist()[-3:] == [10, 6, 7]
+    fewer, _ = split_step(cu_q, cu_k, reads, writes, block_size=4, max_queries=2)   # group 64
+    assert fewer.seq_lens.tolist()[-3:] == [10, 6, 7]
     assert fewer.qo_indptr.tolist()[-4:] == [37, 38, 40, 41]
-    fresh = split_step(np.array([0, 20, 23]), np.array([0, 20, 23]), np.zeros(0, np.int64),
-                       np.concatenate([np.arange(40, 60), [8, 9, 10]]), block_size=4)
-    assert fresh.seq_lens.tolist() == [16, 20, 3] and fresh.gathers == []
+    fresh, staged = split_step(np.array([0, 20, 23]), np.array([0, 20, 23]),
+                               np.zeros(0, np.int64),
+                               np.concatenate([np.arange(40, 60), [8, 9, 10]]), block_size=4)
+    assert fresh.seq_lens.tolist() == [16, 20, 3] and staged is None
     assert fresh.block_table[1, :5].tolist() == list(range(10, 15))
     assert fresh.block_table[2, :1].tolist() == [2]
 
@@ -56,7 +58,8 @@ def test_split_step_of_a_window_group_reads_each_ring():
     """A window of 6 tokens in blocks of 4: each request's ring is 6 slots over blocks [b0, b1]
     (b1 half used). A decode token whose ring has wrapped (past 10: the reads start at ring
     position 5) is a row over both pages, the full one first; a decode token whose ring has not
-    (past 2) a row of 3 tokens; two queries in a window are gathered, as are fresh prompts."""
+    (past 2) a row of 3 tokens; two queries in a window are staged (4 cached tokens, then the 2
+    new ones, in pages 0-1 of the staging pool), as is a fresh prompt."""
     sentinel = 65
     cu_q = np.array([0, 1, 2, 4])
     cu_k = np.array([0, 6, 9, 15])
@@ -64,14 +67,19 @@ def test_split_step_of_a_window_group_reads_each_ring():
                       20, 21, sentinel,             # past 2, ring block [5]
                       9, 10, 11, 28, sentinel, sentinel])   # past 4 of blocks [2, 7], 2 queries
     writes = np.array([4, 22, 29, 30])
-    rows = split_step(cu_q, cu_k, reads, writes, block_size=4, window=6)
+    rows, staged = split_step(cu_q, cu_k, reads, writes, block_size=4, window=6)
     assert rows.seq_lens.tolist() == [6, 3] and rows.qo_indptr.tolist() == [0, 1, 2]
     assert rows.block_table.tolist() == [[0, 1], [5, 0]]
-    assert rows.gathers == [(2, 4, 9, 13)]
-    fresh = split_step(np.array([0, 1, 9]), np.array([0, 1, 9]), np.zeros(0, np.int64),
-                       np.array([40, 68, 68, 0, 1, 2, 3, 4, 5]), block_size=4, window=6)
+    assert staged.num_pages == 2 and staged.block_table.tolist() == [[0, 1]]
+    assert staged.seq_lens.tolist() == [6] and staged.decode_queries.tolist() == [2, 3]
+    assert staged.cached_dst.tolist() == [0, 1, 2, 3]
+    assert reads[staged.cached_reads].tolist() == [9, 10, 11, 28]
+    assert staged.new_dst.tolist() == [4, 5] and staged.new_queries.tolist() == [2, 3]
+    fresh, staged = split_step(np.array([0, 1, 9]), np.array([0, 1, 9]), np.zeros(0, np.int64),
+                               np.array([40, 68, 68, 0, 1, 2, 3, 4, 5]), block_size=4, window=6)
     assert fresh.seq_lens.tolist() == [1] and fresh.block_table.tolist() == [[10]]
-    assert fresh.gathers == [(1, 9, 0, 0)]
+    assert staged.seq_lens.tolist() == [8] and staged.block_table.tolist() == [[0, 1]]
+    assert staged.new_queries.tolist() == list(range(1, 9)) and len(staged.cached_dst) == 0
 
 
 @pytest.mark.parametrize("ring, pages", [
@@ -81,21 +89,22 @@ def test_split_step_of_a_window_group_reads_each_ring():
     ([0, 1, 1], None)])             # a slot twice
 def test_window_rings_that_are_rows(ring, pages):
     """A decode token's ring (its cached slots, then the new token's) is a row of its pages, the
-    full ones first, when it fills them from offset 0; otherwise the request is gathered. Each
+    full ones first, when it fills them from offset 0; otherwise the request is staged. Each
     ring sits between two others in the step, which must come out unchanged."""
     sentinel = 1000
     rings = [[40, 41], ring, [48, 49, 50, 51, 52]]       # pages 10; the ring; 12, then 13
     reads = np.concatenate([r[:-1] + [sentinel] for r in rings])
     writes = np.array([r[-1] for r in rings])
     cu_k = np.concatenate([[0], np.cumsum([len(r) for r in rings])])
-    rows = split_step(np.arange(4), cu_k, reads, writes, block_size=4, window=8)
+    rows, staged = split_step(np.arange(4), cu_k, reads, writes, block_size=4, window=8)
     table = [list(r[:n]) for r, n in zip(rows.block_table.tolist(),
                                          [-(-n // 4) for n in rows.seq_lens])]
     if pages is None:
-        assert table == [[10], [12, 13]] and rows.gathers == [(1, 2, 2, 1 + len(ring))]
-        assert rows.decode_queries.tolist() == [0, 2]
+        assert table == [[10], [12, 13]] and rows.decode_queries.tolist() == [0, 2]
+        assert staged.decode_queries.tolist() == [1] and staged.seq_lens.tolist() == [len(ring)]
+        assert reads[staged.cached_reads].tolist() == ring[:-1]
     else:
-        assert table == [[10], pages, [12, 13]] and rows.gathers == []
+        assert table == [[10], pages, [12, 13]] and staged is None
         assert rows.seq_lens.tolist() == [2, len(ring), 5]
 
 
@@ -187,8 +196,8 @@ def test_generate_batch_serves_windows_sinks_and_soft_cap(arch):
     sinks and Gemma-2's soft-cap give the greedy tokens of transformers' own eager attention
     (which applies all three), for prompts shorter and longer than the window and than 16
     tokens, one prefilled in chunks (each chunk's cached tokens read before its write wraps the
-    ring over them); the same model without its variant gives other tokens. Both layers' decode steps
-    run through the kernel. (transformers' paged|sdpa ignores sinks and soft-cap, and refuses
+    ring over them); the same model without its variant gives other tokens. Every step of both
+    layers runs through the kernel (the window layer's prompts staged). (transformers' paged|sdpa ignores sinks and soft-cap, and refuses
     gpt-oss; its paged|eager ignores soft-cap.)"""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
@@ -224,7 +233,8 @@ def test_generate_batch_serves_windows_sinks_and_soft_cap(arch):
                                    warmup=False, continuous_batching_config=cb)
     tokens = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     assert tokens == reference
-    assert len(runs) == 2 and min(runs.values()) >= 9, runs     # both groups, every decode step
+    counts = sorted(runs.values())      # the window group's staged rows, then both groups' rows
+    assert len(runs) == 3 and counts[0] >= 3 and counts[1] >= 9, runs   # every decode step
 
 
 def test_outside_continuous_batching_and_float32_are_refused():
@@ -429,32 +439,6 @@ def test_e2e_profiled_run_of_a_tiny_model(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1024
 
 
-@pytest.mark.parametrize("n_q, n_k, window, sinks, soft_cap", [
-    (18, 23, None, False, 0.0), (19, 19, None, False, 0.0),   # a chunk; a whole prompt (sdpa)
-    (18, 23, 7, False, 0.0), (19, 19, 5, True, 0.0),          # windows (sdpa; the float32 path)
-    (18, 23, None, True, 1.5), (1, 9, 4, True, 0.5)])         # sinks and soft-cap
-def test_attend_against_float64(n_q, n_k, window, sinks, soft_cap):
-    """A request attended with torch (its queries the last n_q of its n_k tokens, causal; in a
-    window, with sinks, soft-capped), against float64."""
-    gen = torch.Generator().manual_seed(n_q + n_k)
-    k, v = (torch.randn(n_k, 2, 16, generator=gen) for _ in range(2))
-    q = 2 * torch.randn(n_q, 4, 16, generator=gen)
-    sink = 2 * torch.randn(4, generator=gen) if sinks else None
-    out = attend(q, k, v, scale=0.25, window=window, sinks=sink, soft_cap=soft_cap)
-    ref = torch.empty(n_q, 4, 16, dtype=torch.float64)
-    for i in range(n_q):
-        pos = n_k - n_q + i
-        lo = 0 if window is None else max(0, pos - window + 1)
-        for h in range(4):
-            s = 0.25 * k[lo:pos + 1, h // 2].double() @ q[i, h].double()
-            if soft_cap:
-                s = soft_cap * torch.tanh(s / soft_cap)
-            e = torch.exp(s - s.max())
-            denom = e.sum() + (torch.exp(sink[h].double() - s.max()) if sinks else 0)
-            ref[i, h] = (e / denom) @ v[lo:pos + 1, h // 2].double()
-    assert torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref) < 1e-5
-
-
 def test_attention_time_from_cuda_events():
     """The profile's CUDA arithmetic on hand-made events: kernels inside the attention range over
     all kernels, the decode steps' share, kernel time linked to no range, and our kernels by
@@ -500,10 +484,12 @@ def test_split_step_reads_each_querys_tokens_from_transformers_indices(block_siz
                                                                        seed):
     """transformers' own allocators (full, sliding window) make the read and write indices of
     random requests, step after step (prompt chunks, decode tokens, a few tokens at a time), in
-    blocks drawn at random; a simulated cache records which token each slot holds. Every decode
-    row must read, after the write, exactly the tokens its query attends to (the window's, or all
-    of them); every gathered request's cached slots, read before the write, its tokens before
-    the new ones, in order."""
+    blocks drawn at random; a simulated cache records which token each slot holds. Every row
+    holds consecutive queries of one request and every query is in one row. A row over the
+    cache must read, after the write, exactly the tokens its last query attends to (the
+    window's, or all of them); a staged row (window groups), from the staging pool filled
+    before the write, the request's tokens in order through its last query, from no later than
+    the first one in its first query's window."""
     from transformers.generation.continuous_batching.cache_manager import (
         FullAttentionCacheAllocator, SlidingAttentionCacheAllocator)
 
@@ -530,33 +516,42 @@ def test_split_step_reads_each_querys_tokens_from_transformers_indices(block_siz
             writes += cm.get_write_indices(r, past[r], n)
             cu_q.append(cu_q[-1] + n)
             cu_k.append(cu_k[-1] + len(got))
-        rows = split_step(np.array(cu_q), np.array(cu_k), np.array(reads), np.array(writes),
-                          block_size, window=window)
-        for q_lo, q_hi, c_lo, c_hi in rows.gathers:        # before the write
-            r = live[cu_q.index(q_lo)]
-            assert [held[s] for s in reads[c_lo:c_hi]] == [(r, p) for p in
-                                                           range(past[r] - (c_hi - c_lo), past[r])]
+        rows, staged = split_step(np.array(cu_q), np.array(cu_k), np.array(reads),
+                                  np.array(writes), block_size, window=window)
+        assert window is not None or staged is None
+        pool = {}                                   # the staging pool's slots, before the write
+        if staged is not None:
+            for dst, i in zip(staged.cached_dst, staged.cached_reads):
+                pool[int(dst)] = held[reads[i]]
+            for dst, i in zip(staged.new_dst, staged.new_queries):
+                b = int(np.searchsorted(cu_q, i, side="right")) - 1
+                pool[int(dst)] = (live[b], past[live[b]] + int(i) - cu_q[b])
         for i, slot in enumerate(writes):
             b = int(np.searchsorted(cu_q, i, side="right")) - 1
             if slot != trash:
                 held[slot] = (live[b], past[live[b]] + i - cu_q[b])
-        gathered = {q_lo for q_lo, *_ in rows.gathers}
         covered = []
-        for row in range(len(rows.seq_lens)):   # a row: consecutive queries of one request
-            queries = rows.decode_queries[rows.qo_indptr[row]:rows.qo_indptr[row + 1]].tolist()
-            b = int(np.searchsorted(cu_q, queries[0], side="right")) - 1
-            assert queries == list(range(queries[0], queries[-1] + 1)) and queries[-1] < cu_q[b + 1]
-            r, newest = live[b], past[live[b]] + queries[-1] - cu_q[b]
-            first = 0 if window is None else max(0, newest - window + 1)
-            pages, length = rows.block_table[row], int(rows.seq_lens[row])
-            seen = [held[int(pages[t // block_size]) * block_size + t % block_size]
-                    for t in range(length)]
-            want = [(r, p) for p in range(first, newest + 1)]
-            assert (seen if window is None else sorted(seen)) == want
-            assert window is None or len(queries) == 1
-            covered += queries
-        assert window is not None or not gathered          # full attention: every request
-        assert sorted(covered + [i for b in range(len(live)) if cu_q[b] in gathered
-                                 for i in range(cu_q[b], cu_q[b + 1])]) == list(range(cu_q[-1]))
+        for part, tokens in ((rows, held), (staged, pool)):
+            for row in range(0 if part is None else len(part.seq_lens)):
+                lo, hi = part.qo_indptr[row], part.qo_indptr[row + 1]
+                queries = part.decode_queries[lo:hi].tolist()
+                b = int(np.searchsorted(cu_q, queries[0], side="right")) - 1
+                assert queries == list(range(queries[0], queries[-1] + 1))
+                assert queries[-1] < cu_q[b + 1]
+                r, newest = live[b], past[live[b]] + queries[-1] - cu_q[b]
+                pages, length = part.block_table[row], int(part.seq_lens[row])
+                seen = [tokens[int(pages[t // block_size]) * block_size + t % block_size]
+                        for t in range(length)]
+                if part is staged:   # the plan's window (window - 1 to the left) does the rest
+                    start = seen[0][1]
+                    assert seen == [(r, p) for p in range(start, newest + 1)]
+                    assert start <= max(0, newest - len(queries) + 1 - window + 1)
+                else:
+                    first = 0 if window is None else max(0, newest - window + 1)
+                    want = [(r, p) for p in range(first, newest + 1)]
+                    assert (seen if window is None else sorted(seen)) == want
+                    assert window is None or len(queries) == 1
+                covered += queries
+        assert sorted(covered) == list(range(cu_q[-1]))
         for b, r in enumerate(live):
             past[r] += cu_q[b + 1] - cu_q[b]

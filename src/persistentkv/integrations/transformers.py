@@ -13,23 +13,21 @@ cu_seq_lens_q / cu_seq_lens_k and the read and write indices transformers comput
 path (one host read for the whole step); the new tokens' K/V are written where transformers
 would write them.
 
-Which request goes where, per layer group:
-  * full attention: every request is attended by the decode kernel, in rows of at most 16 of
-    its query tokens (fewer where 16 x the group's heads would pass a tile's 128 rows), each row
-    over the request's tokens through its last query (causal): a decode token or a few
-    speculative ones make one row, a prompt or a prefill chunk of n tokens ceil(n / 16) rows
-    in the same launch as the step's decode rows;
+Every request goes through the decode kernel, in rows of at most 16 of its query tokens (fewer
+where 16 x the group's heads would pass a tile's 128 rows), each row over the request's tokens
+through its last query (causal): a decode token or a few speculative ones make one row, a
+prompt or a prefill chunk of n tokens ceil(n / 16) rows. Per layer group:
+  * full attention: the rows read the group's cache, one launch a layer;
   * sliding window (transformers keeps each request's last `sliding_window` tokens in a ring of
-    slots, which wraps): a request of one query token is a row of the decode kernel over its ring,
-    whose slots after the write hold exactly the tokens in its window (the softmax does not depend
-    on their order);
-  * a window layer's request of several queries (a prompt, a prefill chunk) is attended with
-    torch on its tokens: the cached ones gathered from the cache before the write
-    (a ring slot may be overwritten by it), then the step's new ones, causal with the queries at
-    the end, inside the window where there is one. Not this kernel's work.
+    slots, which wraps): a request of one query token is a row over its ring, whose slots after
+    the write hold exactly the tokens in its window (the softmax does not depend on their
+    order). Every other request (a prompt, a prefill chunk, a ring out of page order) is
+    staged: its cached tokens, read before the write (which may overwrite them), then its new
+    ones, copied in order into a staging pool of its own pages, which its rows read with the
+    window in the plan (window_left = sliding_window - 1). Two launches a layer where a step
+    stages any request.
 Attention sinks (gpt-oss's `s_aux`, one logit per head) and logit soft-capping (Gemma-2's
-`softcap`) go to the kernel and to the torch path alike. The model's dtype must be float16 or
-bfloat16.
+`softcap`) go to every launch. The model's dtype must be float16 or bfloat16.
 
 The host read of each step does not go into a CUDA graph; transformers 5.17 turns its graphs on
 by default only for flash-attention implementations (by name), so generate_batch's defaults run
@@ -39,8 +37,6 @@ with a ValueError that says so. Requires transformers 5.17 (`pip install
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -48,7 +44,6 @@ from ..queries import MAX_QUERIES_PER_ROW, MAX_TILE_ROWS
 from ..wrapper import DecodeWrapper
 
 NAME = "paged|persistentkv"
-GATHER_SCORES = 1 << 26   # the torch path's float32 scores per chunk of queries (256 MB)
 
 
 def register() -> str:
@@ -60,31 +55,46 @@ def register() -> str:
 
 
 class StepRows:
-    """One layer group's share of a step. The decode kernel's rows: block_table int32 [R, max
-    pages], seq_lens int32 [R], qo_indptr int32 [R + 1] and decode_queries int64 [qo_indptr[-1]]
-    (each row's queries' positions in the step). gathers: (q_lo, q_hi, c_lo, c_hi) per request
-    attended with torch: its queries q[q_lo:q_hi] (also its new tokens' K/V) and its cached
-    tokens, the read slots reads[c_lo:c_hi], which come before them."""
+    """Rows of the decode kernel: block_table int32 [R, max pages], seq_lens int32 [R],
+    qo_indptr int32 [R + 1] and decode_queries int64 [qo_indptr[-1]] (each row's queries'
+    positions in the step)."""
 
-    def __init__(self, block_table, seq_lens, qo_indptr, decode_queries, gathers):
+    def __init__(self, block_table, seq_lens, qo_indptr, decode_queries):
         self.block_table, self.seq_lens, self.qo_indptr = block_table, seq_lens, qo_indptr
-        self.decode_queries, self.gathers = decode_queries, gathers
+        self.decode_queries = decode_queries
+
+
+class StagedRows(StepRows):
+    """Rows over a staging pool of num_pages pages: a window group's requests that are not rows
+    of its ring (several queries, or a ring out of page order). Each staged request's tokens,
+    its cached ones (read before the step's write may overwrite them) then its new ones, fill
+    pages of the pool from offset 0: slot cached_dst[i] takes the cache's slot
+    reads[cached_reads[i]], slot new_dst[i] the new token at step position new_queries[i]
+    (int64 arrays); the pool's other slots are zeros."""
+
+    def __init__(self, rows: StepRows, *, num_pages, cached_dst, cached_reads, new_dst,
+                 new_queries):
+        super().__init__(rows.block_table, rows.seq_lens, rows.qo_indptr, rows.decode_queries)
+        self.num_pages, self.cached_dst, self.cached_reads = num_pages, cached_dst, cached_reads
+        self.new_dst, self.new_queries = new_dst, new_queries
 
 
 def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np.ndarray,
                block_size: int, *, window: int | None = None,
-               max_queries: int = MAX_QUERIES_PER_ROW) -> StepRows:
-    """A step's requests for one layer group, split into decode rows and gathers (vectorized
-    over the requests: no Python loop per request).
+               max_queries: int = MAX_QUERIES_PER_ROW) -> tuple[StepRows, StagedRows | None]:
+    """A step's requests for one layer group as rows of the decode kernel (vectorized over the
+    requests: no Python loop per request): (rows over the group's cache, staged rows or None).
 
     Request b's queries are q[cu_q[b]:cu_q[b+1]], its new tokens, written to the slots
     writes[cu_q[b]:cu_q[b+1]]. Its reads[cu_k[b]:cu_k[b+1]] are the slots of every token it
     attends to, in order, the new ones last (slot // block_size is the page); an empty `reads`
     means a step of fresh prompts only (nothing cached). window: the group's sliding window
     (its reads then hold at most window - 1 cached tokens and a placeholder per new one), None
-    for full attention: every request is then rows of at most max_queries of its queries
-    (consecutive ones), each over its tokens through its last query. A request with no query
-    this step is neither a row nor a gather."""
+    for full attention. Every request is rows of at most max_queries of its queries
+    (consecutive ones), each over its tokens through its last query: in the cache for full
+    attention; in a window group, a request of one query whose ring after the write is a row
+    (the tokens of its window, in pages filled from offset 0) reads its ring, and every other
+    request is staged. A request with no query this step is in no row."""
     cu_q, cu_k = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
     reads, writes = np.asarray(reads, dtype=np.int64), np.asarray(writes, dtype=np.int64)
     n_q, q_lo = np.diff(cu_q), cu_q[:-1]
@@ -92,38 +102,63 @@ def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np
         c_lo, c_hi = cu_k[:-1], cu_k[1:] - n_q
     else:
         c_lo = c_hi = np.zeros_like(n_q)
-    if window is None:   # every request, in rows of at most max_queries of its queries
+    cached = c_hi - c_lo
+    if window is None:
         req = np.flatnonzero(n_q > 0)
-        req_of, chunk = _ragged(-(-n_q[req] // max_queries))
-        b = req[req_of]                                       # the request of each row
-        first_query = chunk * max_queries                     # of the request's queries
-        counts = np.minimum(max_queries, n_q[b] - first_query)
-        lens = (c_hi - c_lo)[b] + first_query + counts        # its tokens through its last query
+        b, first_query, counts, lens = _query_rows(req, n_q, cached, max_queries)
         src, first = (reads, cu_k[:-1][b]) if len(reads) else (writes, q_lo[b])
         row, col = _ragged(-(-lens // block_size))            # (row, its j-th page)
         pages = src[first[row] + col * block_size] // block_size
-        row_q_lo = q_lo[b] + first_query
-    else:
-        cand = np.flatnonzero(n_q == 1)
-        ring_row, j = _ragged(c_hi[cand] - c_lo[cand] + 1)    # cached slots, then the new one
-        last = j == (c_hi - c_lo)[cand][ring_row]
-        cached = reads[np.minimum(c_lo[cand][ring_row] + j, max(len(reads) - 1, 0))] \
-            if len(reads) else np.zeros_like(j)
-        slots = np.where(last, writes[q_lo[cand][ring_row]], cached)
-        ok, row, col, pages = _ring_rows(slots, ring_row, len(cand), block_size)
-        b, lens = cand[ok], np.bincount(ring_row, minlength=len(cand))[ok]
-        renumber = np.cumsum(ok) - 1
-        keep = ok[row]
-        row, col, pages = renumber[row[keep]], col[keep], pages[keep]
-        counts, row_q_lo = n_q[b], q_lo[b]
-    table = np.zeros((len(b), int(col.max()) + 1 if len(col) else 1), dtype=np.int32)
+        return _step_rows(q_lo[b] + first_query, counts, lens, row, col, pages), None
+    cand = np.flatnonzero(n_q == 1)
+    ring_row, j = _ragged(cached[cand] + 1)                   # cached slots, then the new one
+    last = j == cached[cand][ring_row]
+    slots = (np.where(last, writes[q_lo[cand][ring_row]],
+                      reads[np.minimum(c_lo[cand][ring_row] + j, len(reads) - 1)])
+             if len(reads) else writes[q_lo[cand][ring_row]])
+    ok, row, col, pages = _ring_rows(slots, ring_row, len(cand), block_size)
+    b, lens = cand[ok], np.bincount(ring_row, minlength=len(cand))[ok]
+    keep = ok[row]
+    row, col, pages = (np.cumsum(ok) - 1)[row[keep]], col[keep], pages[keep]
+    rows = _step_rows(q_lo[b], n_q[b], lens, row, col, pages)
+    staged = np.setdiff1d(np.flatnonzero(n_q > 0), b)
+    if not len(staged):
+        return rows, None
+    tokens = cached[staged] + n_q[staged]
+    base = np.cumsum(-(-tokens // block_size)) - (-(-tokens // block_size))   # first page each
+    t_req, t = _ragged(tokens)                                 # every staged token
+    dst = base[t_req] * block_size + t
+    old = t < cached[staged][t_req]
+    s, first_query, counts, lens = _query_rows(np.arange(len(staged)), n_q[staged],
+                                               cached[staged], max_queries)
+    row, col = _ragged(-(-lens // block_size))
+    staged_rows = _step_rows(q_lo[staged][s] + first_query, counts, lens, row, col,
+                             base[s][row] + col)
+    return rows, StagedRows(staged_rows, num_pages=int(-(-tokens // block_size).sum()),
+                            cached_dst=dst[old], cached_reads=(c_lo[staged][t_req] + t)[old],
+                            new_dst=dst[~old],
+                            new_queries=(q_lo[staged][t_req] + t - cached[staged][t_req])[~old])
+
+
+def _query_rows(req: np.ndarray, n_q: np.ndarray, cached: np.ndarray, max_queries: int):
+    """Rows of at most max_queries consecutive queries of each request in req (per request:
+    n_q queries after `cached` tokens): (the request of each row, its first query, counted in
+    the request's, its number of queries, its tokens through its last query)."""
+    r, chunk = _ragged(-(-n_q[req] // max_queries))
+    first_query = chunk * max_queries
+    counts = np.minimum(max_queries, n_q[req][r] - first_query)
+    return req[r], first_query, counts, cached[req][r] + first_query + counts
+
+
+def _step_rows(first_query, counts, lens, row, col, pages) -> StepRows:
+    """StepRows from each row's first query (its step position), queries and tokens, and the
+    (row, column, page) of each of its pages."""
+    table = np.zeros((len(lens), int(col.max()) + 1 if len(col) else 1), dtype=np.int32)
     table[row, col] = pages
     qo_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     query_row, query_j = _ragged(counts)
-    decode_queries = row_q_lo[query_row] + query_j
-    gathered = np.setdiff1d(np.flatnonzero(n_q > 0), b)
-    gathers = [(int(q_lo[r]), int(cu_q[r + 1]), int(c_lo[r]), int(c_hi[r])) for r in gathered]
-    return StepRows(table, lens.astype(np.int32), qo_indptr, decode_queries, gathers)
+    return StepRows(table, np.asarray(lens, dtype=np.int32), qo_indptr,
+                    first_query[query_row] + query_j)
 
 
 def rows_of_queries(group: int) -> int:
@@ -172,15 +207,68 @@ def _ring_rows(slots: np.ndarray, ring: np.ndarray, rings: int, block_size: int)
     return ok, g_ring, col, g_page
 
 
-class _GroupPlan:
-    """One layer group's wrapper and its rows of the current step."""
+class _Rows:
+    """A wrapper and the rows it runs this step: `count` queries of the step, at the positions
+    `queries` (None: the step's first `count`), its plan's arguments but the soft-cap and the
+    scale, and the (soft-cap, scale) it has planned this step (None: none yet)."""
 
     def __init__(self):
         self.wrapper = DecodeWrapper("NHD")
-        self.rows = None                 # StepRows of the step
-        self.decode_index = None         # None: the decode queries are the step's first ones
-        self.plan_kwargs = None          # the plan's arguments but the soft-cap and the scale
-        self.planned = None              # (soft-cap, scale) of the wrapper's plan; None: none
+        self.count, self.queries, self.plan_kwargs, self.planned = 0, None, None, None
+
+    def set(self, rows: StepRows | None, device: torch.device, **plan_kwargs) -> None:
+        self.count, self.planned = (0 if rows is None else int(rows.qo_indptr[-1])), None
+        if not self.count:
+            return
+        prefix = np.array_equal(rows.decode_queries, np.arange(self.count))
+        self.queries = None if prefix else torch.from_numpy(rows.decode_queries).to(device)
+        self.plan_kwargs = dict(block_table=torch.from_numpy(rows.block_table).to(device),
+                                seq_lens=torch.from_numpy(rows.seq_lens),
+                                qo_indptr=torch.from_numpy(rows.qo_indptr), **plan_kwargs)
+
+    def run(self, q: torch.Tensor, pools, out: torch.Tensor, *, soft_cap: float, scale: float,
+            sinks) -> None:
+        """Attend this step's rows over pools (k, v) [pages, block, Hkv, D] into out."""
+        if not self.count:
+            return
+        if self.planned != (soft_cap, scale):   # the group's first layer, or one unlike it
+            self.wrapper.plan(**self.plan_kwargs, logits_soft_cap=soft_cap, sm_scale=scale)
+            self.planned = (soft_cap, scale)
+        if self.queries is None:
+            self.wrapper.run(q[:self.count].contiguous(), pools, out=out[:self.count],
+                             sinks=sinks)
+        else:
+            out[self.queries] = self.wrapper.run(q[self.queries], pools, sinks=sinks)
+
+
+class _Staging:
+    """A step's staging pool on the device (StagedRows' maps): num_pages, and int64 tensors
+    cached_dst, cached_slots (the cache's slots of the staged cached tokens), new_dst and
+    new_queries."""
+
+    def __init__(self, staged: StagedRows, reads: np.ndarray, device: torch.device):
+        self.num_pages = staged.num_pages
+        self.cached_dst, self.cached_slots, self.new_dst, self.new_queries = (
+            torch.from_numpy(x).to(device) for x in (staged.cached_dst,
+                                                     reads[staged.cached_reads],
+                                                     staged.new_dst, staged.new_queries))
+
+    def pool(self, cache_kv: torch.Tensor, new: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The staged tokens of one of K or V: cache_kv [slots, Hkv, D] (read before the step's
+        write), new [total_q, Hkv, D]; returns [num_pages, block_size, Hkv, D]."""
+        pool = cache_kv.new_zeros((self.num_pages * block_size,) + tuple(cache_kv.shape[1:]))
+        pool.index_copy_(0, self.cached_dst, cache_kv.index_select(0, self.cached_slots))
+        pool.index_copy_(0, self.new_dst, new.index_select(0, self.new_queries))
+        return pool.view(self.num_pages, block_size, *cache_kv.shape[1:])
+
+
+class _GroupPlan:
+    """One layer group's rows of the current step: over its cache, and (window groups) over a
+    staging pool."""
+
+    def __init__(self):
+        self.cache_rows, self.staged_rows = _Rows(), _Rows()
+        self.staging: _Staging | None = None
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -199,10 +287,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                         f"{query.dtype} (load it with dtype=torch.bfloat16)")
     layer = module.layer_idx
     group, in_group = cache.layer_index_to_group_indices[layer]
-    window = _window(cache, layer)
-    soft_cap = float(softcap) if softcap else 0.0
-    scale = kwargs.get("scaling") or module.scaling
-    sinks = None if s_aux is None else s_aux.detach().float().reshape(-1)
+    variant = dict(soft_cap=float(softcap) if softcap else 0.0,
+                   scale=kwargs.get("scaling") or module.scaling,
+                   sinks=None if s_aux is None else s_aux.detach().float().reshape(-1))
     plans = getattr(cache, "_persistentkv", None)
     if plans is None:
         plans = cache._persistentkv = {}
@@ -213,34 +300,21 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         _split_groups(plans, cache, query, cu_seq_lens_q, cu_seq_lens_k, read_index,
                       write_index)
     state = plans[group]
-    rows = state.rows
     k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
-    reads = _reads(read_index, group, write_index)
     q = query[0].transpose(0, 1)                          # [total_q (padded), Hq, D]
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)      # [total_q, Hkv, D]
-    cached = [(k_cache.index_select(0, reads[c_lo:c_hi]), v_cache.index_select(0, reads[c_lo:c_hi]))
-              if c_hi > c_lo else None for _, _, c_lo, c_hi in rows.gathers]   # before the write
+    staged = None
+    if state.staging is not None:                         # before the write overwrites a ring
+        staged = (state.staging.pool(k_cache, new_k, cache.block_size),
+                  state.staging.pool(v_cache, new_v, cache.block_size))
     k_cache.index_copy_(0, write_index[group], new_k)
     v_cache.index_copy_(0, write_index[group], new_v)
 
     out = torch.zeros_like(q)
-    rows_q = int(rows.qo_indptr[-1])
-    if rows_q:
-        if state.planned != (soft_cap, scale):   # the group's first layer, or one unlike it
-            state.wrapper.plan(**state.plan_kwargs, logits_soft_cap=soft_cap, sm_scale=scale)
-            state.planned = (soft_cap, scale)
-        shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
-        pools = (k_cache.view(shape), v_cache.view(shape))
-        if state.decode_index is None:                    # the step's first rows_q queries
-            state.wrapper.run(q[:rows_q].contiguous(), pools, out=out[:rows_q], sinks=sinks)
-        else:
-            out[state.decode_index] = state.wrapper.run(q[state.decode_index], pools, sinks=sinks)
-    for (q_lo, q_hi, _, _), old in zip(rows.gathers, cached):
-        k, v = new_k[q_lo:q_hi], new_v[q_lo:q_hi]
-        if old is not None:
-            k, v = torch.cat([old[0], k]), torch.cat([old[1], v])
-        out[q_lo:q_hi] = attend(q[q_lo:q_hi], k, v, scale=scale, window=window,
-                                sinks=sinks, soft_cap=soft_cap)
+    shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
+    state.cache_rows.run(q, (k_cache.view(shape), v_cache.view(shape)), out, **variant)
+    if staged is not None:
+        state.staged_rows.run(q, staged, out, **variant)
     return out.unsqueeze(0), None
 
 
@@ -260,58 +334,16 @@ def _split_groups(plans: dict, cache, query: torch.Tensor, cu_seq_lens_q, cu_seq
                   write_index[g], _reads(read_index, g, write_index)]
     host = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).cpu().numpy()
     pieces = np.split(host, np.cumsum([p.numel() for p in parts])[:-1])
+    heads = dict(num_qo_heads=query.shape[1], num_kv_heads=cache.num_key_value_heads,
+                 head_dim=cache.head_dim, page_size=cache.block_size)
     for i, g in enumerate(groups):
         cu_k, writes, reads = pieces[1 + 3 * i: 4 + 3 * i]
-        rows = split_step(pieces[0], cu_k, reads, writes, cache.block_size, window=windows[g],
-                          max_queries=row_queries)
+        rows, staged = split_step(pieces[0], cu_k, reads, writes, cache.block_size,
+                                  window=windows[g], max_queries=row_queries)
         state = plans.setdefault(g, _GroupPlan())
-        rows_q = int(rows.qo_indptr[-1])
-        prefix = np.array_equal(rows.decode_queries, np.arange(rows_q))
-        state.rows, state.planned = rows, None
-        state.decode_index = (None if prefix
-                              else torch.from_numpy(rows.decode_queries).to(query.device))
-        state.plan_kwargs = dict(
-            block_table=torch.from_numpy(rows.block_table).to(query.device),
-            seq_lens=torch.from_numpy(rows.seq_lens), qo_indptr=torch.from_numpy(rows.qo_indptr),
-            num_qo_heads=query.shape[1], num_kv_heads=cache.num_key_value_heads,
-            head_dim=cache.head_dim, page_size=cache.block_size)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-           window: int | None = None, sinks: torch.Tensor | None = None,
-           soft_cap: float = 0.0) -> torch.Tensor:
-    """Attention of one request's queries over its tokens, with torch: q [n_q, Hq, D], k / v
-    [n_k, Hkv, D], the queries the last n_q tokens (causal), each seeing its last `window` tokens
-    (itself included; None: all); sinks float32 [Hq], soft_cap > 0: scores cap * tanh(s / cap).
-    Returns [n_q, Hq, D] in q's dtype."""
-    n_q, n_k, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    plain = sinks is None and not soft_cap
-    if plain and n_q == n_k and window is None:   # a whole prompt: causal, a flash kernel, no mask
-        return sdpa(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    pos = torch.arange(n_k - n_q, n_k, device=q.device)[:, None]        # [n_q, 1]
-    key_pos = torch.arange(n_k, device=q.device)[None, :]               # [1, n_k]
-    seen = key_pos <= pos
-    if window is not None:
-        seen &= key_pos > pos - window
-    if plain:                                     # a masked kernel takes every head's K/V
-        return sdpa(q4, k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1),
-                    attn_mask=seen, scale=scale)[0].transpose(0, 1)
-    kf = k4.float().repeat_interleave(group, dim=1)[0]                  # [Hq, n_k, D]
-    vf = v4.float().repeat_interleave(group, dim=1)[0]
-    out = torch.empty_like(q)
-    chunk = max(1, GATHER_SCORES // (q.shape[1] * n_k))
-    for lo in range(0, n_q, chunk):
-        s = scale * q4[0, :, lo:lo + chunk].float() @ kf.transpose(1, 2)  # [Hq, c, n_k]
-        if soft_cap:
-            s = soft_cap * torch.tanh(s / soft_cap)
-        s = s.masked_fill(~seen[lo:lo + chunk], -math.inf)
-        if sinks is not None:
-            s = torch.cat([s, sinks.float()[:, None, None].expand(-1, s.shape[1], 1)], dim=-1)
-        p = torch.softmax(s, dim=-1)[..., :n_k]
-        out[lo:lo + chunk] = (p @ vf).transpose(0, 1).to(q.dtype)
-    return out
+        state.cache_rows.set(rows, query.device, **heads)
+        state.staged_rows.set(staged, query.device, window_left=(windows[g] or 0) - 1, **heads)
+        state.staging = None if staged is None else _Staging(staged, reads, query.device)
 
 
 def _window(cache, layer: int) -> int | None:
