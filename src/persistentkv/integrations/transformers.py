@@ -124,17 +124,18 @@ def split_step(cu_q: np.ndarray, cu_k: np.ndarray, reads: np.ndarray, writes: np
     staged = np.setdiff1d(np.flatnonzero(n_q > 0), b)
     if not len(staged):
         return rows, None
-    tokens = cached[staged] + n_q[staged]
-    base = np.cumsum(-(-tokens // block_size)) - (-(-tokens // block_size))   # first page each
+    tokens = cached[staged] + n_q[staged]                     # cached ones, then new ones
+    pages_each = -(-tokens // block_size)
+    base = np.cumsum(pages_each) - pages_each                 # first page in the pool, each
     t_req, t = _ragged(tokens)                                 # every staged token
     dst = base[t_req] * block_size + t
-    old = t < cached[staged][t_req]
+    old = t < cached[staged][t_req]                            # cached (else new)
     s, first_query, counts, lens = _query_rows(np.arange(len(staged)), n_q[staged],
                                                cached[staged], max_queries)
     row, col = _ragged(-(-lens // block_size))
     staged_rows = _step_rows(q_lo[staged][s] + first_query, counts, lens, row, col,
                              base[s][row] + col)
-    return rows, StagedRows(staged_rows, num_pages=int(-(-tokens // block_size).sum()),
+    return rows, StagedRows(staged_rows, num_pages=int(pages_each.sum()),
                             cached_dst=dst[old], cached_reads=(c_lo[staged][t_req] + t)[old],
                             new_dst=dst[~old],
                             new_queries=(q_lo[staged][t_req] + t - cached[staged][t_req])[~old])
