@@ -106,7 +106,7 @@ for step in $steps; do
                for i in 1 2; do   # twice, for the noise
                  timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
                    --cells "B8 bimodal,B8 uniform,B8 zipf,B4 bimodal,B8 L8K,B1 L32K" \
-                   --backends pkv-auto,pkv-auto:blockn64:stages2,pkv-auto:blockn16:stages4,pkv-auto:waves3,fi-cuda-core,fi-tensor-core \
+                   --backends pkv-auto,pkv-auto:blockn64:stages2,pkv-auto:blockn16:stages4,pkv-auto:pps3:waves3,fi-cuda-core,fi-tensor-core \
                    --out "$out/d256" --tag "d256-$i" > "$out/d256/d256-$i-log.txt" 2>&1
                  tail -1 "$out/d256/d256-$i-log.txt"
                done ;;
