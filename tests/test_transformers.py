@@ -257,10 +257,13 @@ def test_e2e_model_shapes():
                         config.num_key_value_heads, config.head_dim)
     assert shapes["llama3-8b"] == (32, 32, 8, 128) and shapes["qwen2.5-7b"] == (28, 28, 4, 128)
     assert shapes["gpt-oss-20b"] == (24, 64, 8, 64) and shapes["tiny"] == (2, 8, 2, 16)
-    assert shapes["tiny-gpt-oss"] == (2, 8, 2, 16)
+    assert shapes["tiny-gpt-oss"] == (2, 8, 2, 16) and shapes["gemma3-12b"] == (48, 16, 8, 256)
     config = build_model("gpt-oss-20b", device=torch.device("meta"), dtype=torch.bfloat16).config
     assert config.sliding_window == 128 and config.layer_types[:2] == ["sliding_attention",
                                                                        "full_attention"]
+    config = build_model("gemma3-12b", device=torch.device("meta"), dtype=torch.bfloat16).config
+    assert config.sliding_window == 1024
+    assert config.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
 
 
 def test_e2e_cli_offers_every_model():

@@ -314,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     e2e = sub.add_parser("e2e", help="a random-weight model in transformers' continuous batching, "
                                      "paged|persistentkv against transformers' paged attention")
     # bench.e2e.MODELS' names, written out: that module imports torch (a test keeps them equal)
-    e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "gpt-oss-20b", "tiny",
-                                         "tiny-gpt-oss"],
+    e2e.add_argument("--model", choices=["llama3-8b", "qwen2.5-7b", "gpt-oss-20b", "gemma3-12b",
+                                         "tiny", "tiny-gpt-oss"],
                      help="default: llama3-8b on a GPU, tiny on the CPU")
     e2e.add_argument("--requests", default="8,32,128", help="concurrent requests per run")
     e2e.add_argument("--mean-prompt", type=int, default=4096, help="mean prompt tokens")

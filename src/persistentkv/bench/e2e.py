@@ -3,8 +3,9 @@
 
 The model is built from a config with random weights (no downloads): a Llama-3-8B shape, a
 Qwen2.5-7B shape, a gpt-oss-20b shape (window layers of 128 tokens between full ones, attention
-sinks, 32 experts; transformers' paged|sdpa refuses it, so paged|eager is its reference), or
-(the default without a GPU) a tiny Llama that runs through Triton's interpreter (and a tiny
+sinks, 32 experts; transformers' paged|sdpa refuses it, so paged|eager is its reference), a
+Gemma-3-12B shape (window layers of 1024 tokens, five of every six; head dim 256), or (the
+default without a GPU) a tiny Llama that runs through Triton's interpreter (and a tiny
 gpt-oss, window layers of 8 tokens). Requests get random prompts of mixed lengths (uniform in
 [mean / 4, 7 mean / 4]) and generate greedily.
 
@@ -86,6 +87,10 @@ MODELS = {   # name: (transformers config class, its arguments)
     "gpt-oss-20b": ("GptOssConfig", _shape(24, 2880, 2880, 64, 8, 64, 201088,
                                            num_local_experts=32, num_experts_per_tok=4,
                                            max_position_embeddings=131072)),
+    # window layers (1024 tokens) on five of every six layers; head dim 256
+    "gemma3-12b": ("Gemma3TextConfig", _shape(48, 3840, 15360, 16, 8, 256, 262208,
+                                              sliding_window=1024, sliding_window_pattern=6,
+                                              max_position_embeddings=131072)),
     "tiny": ("LlamaConfig", _shape(2, 128, 256, 8, 2, 16, 128)),
     "tiny-gpt-oss": ("GptOssConfig", _shape(2, 64, 64, 8, 2, 16, 128, num_local_experts=4,
                                             num_experts_per_tok=2, sliding_window=8,
