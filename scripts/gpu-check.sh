@@ -17,14 +17,14 @@
 # and without it; d256: gemma2-9b's tiles and splits on the mixed batches where FlashInfer's
 # CUDA-core path is ahead (v19: 0.96-0.99x on B8 traces); d512: head dim 512's tiles; qtiles:
 # launch shapes for rows of 4, 8 and 16 queries (8 warps, one program an SM; 32-token tiles; 2
-# stages); smallcells: three programs an SM on one KV head's small steps (llama3-70b-tp8,
-# gpt-oss-tp8); longsplit: v17's balanced chunks for long splits against the rule before
-# (:balfrom0), twice, at $PRESETS (default the fitted presets with few KV heads); fp8vt: an fp8
-# cache in HND against HND_VT (V's blocks transposed), both scale granularities, alternated twice,
-# with the fp16 step of the same cells; e2e: transformers end to end, each run "model requests
-# mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token prompts
-# and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are measured,
-# BENCHMARKS.md v18: one at 128 requests takes about 310 s).
+# stages; splits down to 32 tokens); smallcells: three programs an SM on one KV head's small steps
+# (llama3-70b-tp8, gpt-oss-tp8); longsplit: v17's balanced chunks for long splits against the rule
+# before (:balfrom0), twice, at $PRESETS (default the fitted presets with few KV heads); fp8vt: an
+# fp8 cache in HND against HND_VT (V's blocks transposed), both scale granularities, alternated
+# twice, with the fp16 step of the same cells; e2e: transformers end to end, each run "model
+# requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
+# prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
+# measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
 set -uo pipefail
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
 out=${OUT_DIR:-results/$gpu}
@@ -117,7 +117,7 @@ for step in $steps; do
                for q in 4 8 16; do
                  timeout 200 python3 -m persistentkv.cli bench --grid --q-len $q \
                    --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B8 L8K,B32 L32K,B4 zipf" \
-                   --backends pkv-auto,pkv-auto:warps8:pps1,pkv-auto:blockn32,pkv-auto:stages2,fi-prefill \
+                   --backends pkv-auto,pkv-auto:warps8:pps1,pkv-auto:blockn32,pkv-auto:stages2,pkv-auto:minsplit32,fi-prefill \
                    --out "$out/qtiles" --tag "qtiles-q$q" > "$out/qtiles/qtiles-q$q-log.txt" 2>&1
                  tail -1 "$out/qtiles/qtiles-q$q-log.txt"
                done ;;
