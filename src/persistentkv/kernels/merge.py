@@ -3,6 +3,10 @@ import triton
 import triton.language as tl
 
 MERGE_UNROLL = tl.constexpr(4)   # partials in flight (measured against 1 and 8: docs/perf-notes.md, v6)
+# fp32 elements of partials in flight at most: the unroll halves (to 2, then 1) where MERGE_UNROLL
+# partials of a large tile (several queries a row) would pass it; compiled for sm_90a at group 4,
+# d 128, 8 queries a row no longer spill, 16 spill 40 B instead of 208 (scripts/compile_check.py)
+MERGE_IN_FLIGHT = tl.constexpr(8192)
 
 
 @triton.jit
@@ -14,9 +18,10 @@ def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, row
 
     Partials: o fp32 [slots, SLOT_ROWS, HEAD_DIM] (normalized), lse2 fp32 [slots, SLOT_ROWS]
     (base 2). One partial per step, the tile padded only to a power of two (G_MERGE), not to the
-    16 rows of tl.dot; the loop is unrolled MERGE_UNROLL times, so that that many partials' loads
-    are in flight at once (a partial's loads do not depend on the running state). The loads skip
-    L1 (.cg): other programs wrote these partials during this launch.
+    16 rows of tl.dot; the loop is unrolled MERGE_UNROLL times (fewer past MERGE_IN_FLIGHT), so
+    that that many partials' loads are in flight at once (a partial's loads do not depend on the
+    running state). The loads skip L1 (.cg): other programs wrote these partials during this
+    launch.
     Returns (o [G_MERGE, D_PAD], lse2 [G_MERGE]); rows not in row_mask are padding.
     """
     offs_d = tl.arange(0, D_PAD)
@@ -24,7 +29,9 @@ def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, row
     acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
     m = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
     total = tl.zeros([G_MERGE], dtype=tl.float32)
-    for i in tl.range(0, count, loop_unroll_factor=MERGE_UNROLL):
+    UNROLL: tl.constexpr = (MERGE_UNROLL if G_MERGE * D_PAD * MERGE_UNROLL <= MERGE_IN_FLIGHT
+                            else 2 if G_MERGE * D_PAD * 2 <= MERGE_IN_FLIGHT else 1)
+    for i in tl.range(0, count, loop_unroll_factor=UNROLL):
         slot = first_slot + i * slot_stride
         lse = tl.load(part_lse_ptr + slot * SLOT_ROWS + rows, mask=row_mask, other=float("-inf"),
                       cache_modifier=".cg")                                           # [G]
