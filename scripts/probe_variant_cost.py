@@ -7,13 +7,16 @@ median of the replays, the whole A/B twice to show the noise (--reverse captures
 in the first cell of a process the first graph captured, plain's, ran 2.1x slow, v18; v19: so
 did sinks' when captured first). --first-twice captures the first variant twice, the first copy
 reported as "<name>, first capture", to tell a slow first capture from a slow first variant;
+--last-again captures the first variant once more after the others ("<name>, last capture");
+--compile-first runs every variant once before any graph is captured (its kernels compiled and
+loaded first);
 --dump-graphs DIR writes each graph of the first cell as a DOT file (its nodes and their launch
 parameters) to compare them. Issue 17's bar: each variant <= 1.03x the plain step on B8 L8K and
 B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
 Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-twice]
-     [--dump-graphs DIR] [--json out.json]
+     [--last-again] [--compile-first] [--dump-graphs DIR] [--json out.json]
 """
 import argparse
 import json
@@ -40,15 +43,24 @@ def build(lens, hq, hkv, d):
 
 
 FIRST = ", first capture"   # the label of a variant's extra, first capture (--first-twice)
+LAST = ", last capture"     # and of its extra, last one (--last-again)
 
 
 def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
-                  dump_dir: str | None = None) -> dict:
-    """order: labels, each a VARIANTS name, or one with FIRST after it (the same variant)."""
+                  dump_dir: str | None = None, compile_first: bool = False) -> dict:
+    """order: labels, each a VARIANTS name, or one with FIRST or LAST after it (the same
+    variant). compile_first: every variant's plan() and run() once before any capture."""
     graphs, errors, plans = [], {}, {}
     sinks = 2.0 * torch.randn(hq, device="cuda")
+    if compile_first:
+        for variant in VARIANTS.values():
+            w = DecodeWrapper("HND")
+            w.plan(**table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
+                   logits_soft_cap=variant.get("logits_soft_cap", 0.0))
+            w.run(qs[0], cache.pools[0], **(dict(sinks=sinks) if variant.get("sinks") else {}))
+        torch.cuda.synchronize()
     for n, name in enumerate(order):
-        variant = VARIANTS[name.removesuffix(FIRST)]
+        variant = VARIANTS[name.removesuffix(FIRST).removesuffix(LAST)]
         w = DecodeWrapper("HND")
         plan_kw = dict(table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
                        logits_soft_cap=variant.get("logits_soft_cap", 0.0))
@@ -98,12 +110,18 @@ def main():
                         help="capture the variants in the reverse order (plain last)")
     parser.add_argument("--first-twice", action="store_true",
                         help="capture the first variant twice, before the others")
+    parser.add_argument("--last-again", action="store_true",
+                        help="capture the first variant once more, after the others")
+    parser.add_argument("--compile-first", action="store_true",
+                        help="run every variant once before the first capture")
     parser.add_argument("--dump-graphs", metavar="DIR",
                         help="write the first cell's graphs here as DOT files")
     args = parser.parse_args()
     order = list(VARIANTS)[::-1] if args.reverse else list(VARIANTS)
     if args.first_twice:
         order = [order[0] + FIRST] + order
+    if args.last_again:
+        order = order + [order[0].removesuffix(FIRST) + LAST]
     dump_dir = args.dump_graphs
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
@@ -112,7 +130,8 @@ def main():
     for shape, (hq, hkv, d) in SHAPES.items():
         for cell, lens in CELLS.items():
             cache, table, qs = build(lens, hq, hkv, d)
-            row = variant_costs(cache, table, qs, hq, hkv, d, order=order, dump_dir=dump_dir)
+            row = variant_costs(cache, table, qs, hq, hkv, d, order=order, dump_dir=dump_dir,
+                                compile_first=args.compile_first)
             dump_dir = None                                   # the first cell's graphs only
             if shape == "32/8/128" and cell == "B8 L8K":
                 row["soft-cap 50 error by score spread"] = softcap_accuracy(cache, table, qs,
