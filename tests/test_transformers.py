@@ -266,6 +266,23 @@ def test_e2e_model_shapes():
     assert config.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
 
 
+def test_e2e_fixed_routing_sends_every_token_to_the_same_experts():
+    """--fixed-routing: whatever the hidden states, each router picks the same experts with the
+    same scores; a model without experts is refused by name."""
+    from persistentkv.bench.e2e import build_model
+
+    model = build_model("tiny-gpt-oss", device=torch.device("cpu"), dtype=torch.float32,
+                        fixed_routing=True)
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert len(routers) == 2
+    for router in routers:
+        _, scores, experts = router(torch.randn(5, 64) * 10)
+        assert (experts == torch.arange(router.top_k)).all()
+        assert torch.allclose(scores, scores[:1].expand_as(scores))
+    with pytest.raises(ValueError, match="'tiny'"):
+        build_model("tiny", device=torch.device("cpu"), dtype=torch.float32, fixed_routing=True)
+
+
 def test_e2e_cli_offers_every_model():
     """The CLI's --model choices are written out (its parser imports no torch); they must be
     MODELS' names."""

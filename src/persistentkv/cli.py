@@ -207,7 +207,8 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     run_e2e(model_name=model, requests=_ints(args.requests), mean_prompt=args.mean_prompt,
             new_tokens=args.new_tokens, impls=impls.split(","), device=torch.device(device),
             out_dir=Path(args.out), tag=args.tag or f"e2e-{model}",
-            teacher_forced=not args.no_teacher_forced, profile=args.profile)
+            teacher_forced=not args.no_teacher_forced, profile=args.profile,
+            fixed_routing=args.fixed_routing)
     return 0
 
 
@@ -329,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--no-teacher-forced", action="store_true",
                      help="skip the teacher-forced scoring (one more prefill per implementation "
                           "and batch: the reference's tokens through each)")
+    e2e.add_argument("--fixed-routing", action="store_true",
+                     help="mixture-of-experts models (gpt-oss-20b): every token to the same "
+                          "experts, so that random routers' flips do not amplify an attention "
+                          "difference in the agreement numbers (a control)")
     e2e.add_argument("--profile", action="store_true",
                      help="one more untimed run per implementation and batch (at most 8 new "
                           "tokens) under torch.profiler: attention's share of the CUDA kernel "

@@ -118,8 +118,13 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-def build_model(name: str, *, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A random-weight causal LM of the named shape."""
+def build_model(name: str, *, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                fixed_routing: bool = False):
+    """A random-weight causal LM of the named shape. fixed_routing (mixture-of-experts models):
+    every router's weight zeroed and its bias descending by 1 an expert, so that each token
+    goes to the same experts with the same scores whatever its hidden state: a control that
+    keeps a routing flip (random routers' margins are small) from amplifying an attention
+    difference in the agreement numbers."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -130,6 +135,15 @@ def build_model(name: str, *, device: torch.device, dtype: torch.dtype, seed: in
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if fixed_routing:
+        routers = [m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")
+                   and hasattr(m, "bias") and hasattr(m, "weight")]
+        if not routers:
+            raise ValueError(f"fixed_routing needs a mixture-of-experts model, got {name!r}")
+        with torch.no_grad():
+            for router in routers:
+                router.weight.zero_()
+                router.bias.copy_(-torch.arange(router.num_experts, dtype=router.bias.dtype))
     return model.eval()
 
 
@@ -481,12 +495,13 @@ def attention_time(events, *, device: bool) -> dict:
 
 def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_tokens: int,
             impls: list[str], device: torch.device, out_dir: Path, tag: str,
-            teacher_forced: bool = True, profile: bool = False) -> list[dict]:
+            teacher_forced: bool = True, profile: bool = False,
+            fixed_routing: bool = False) -> list[dict]:
     from ..integrations.transformers import register
 
     register()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
-    model = build_model(model_name, device=device, dtype=dtype)
+    model = build_model(model_name, device=device, dtype=dtype, fixed_routing=fixed_routing)
     ref_name = impls[0]
     failed: dict[str, str] = {}   # an implementation that raised: reported, not run again
 

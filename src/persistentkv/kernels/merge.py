@@ -4,9 +4,11 @@ import triton.language as tl
 
 MERGE_UNROLL = tl.constexpr(4)   # partials in flight (measured against 1 and 8: docs/perf-notes.md, v6)
 # fp32 elements of partials in flight at most: the unroll halves (to 2, then 1) where MERGE_UNROLL
-# partials of a large tile (several queries a row) would pass it; compiled for sm_90a at group 4,
-# d 128, 8 queries a row no longer spill, 16 spill 40 B instead of 208 (scripts/compile_check.py)
-MERGE_IN_FLIGHT = tl.constexpr(8192)
+# partials of a large tile (several queries a row) would pass it. At group 4, d 128: 16 queries a
+# row merge 2 partials at a time (compiled for sm_90a: 72 B of stack instead of 208; measured
+# 1.03-1.14x on the small q_len 16 cells, against 0.93-1.08x for 1 at a time); 8 queries keep 4
+# (2 at a time spilled nothing, yet measured 0.98-1.00x: docs/perf-notes.md, v20)
+MERGE_IN_FLIGHT = tl.constexpr(16384)
 
 
 @triton.jit
