@@ -9,14 +9,17 @@ did sinks' when captured first). --first-twice captures the first variant twice,
 reported as "<name>, first capture", to tell a slow first capture from a slow first variant;
 --last-again captures the first variant once more after the others ("<name>, last capture");
 --compile-first runs every variant once before any graph is captured (its kernels compiled and
-loaded first);
+loaded first); --throwaway-first captures and replays two plain graphs of another cell (B1 L1K,
+its own pools) before the first measured one, to tell the process's first captures from the
+first cell's;
 --dump-graphs DIR writes each graph of the first cell as a DOT file (its nodes and their launch
 parameters) to compare them. Issue 17's bar: each variant <= 1.03x the plain step on B8 L8K and
 B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
 Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-twice]
-     [--last-again] [--compile-first] [--dump-graphs DIR] [--json out.json]
+     [--last-again] [--compile-first] [--throwaway-first] [--dump-graphs DIR]
+     [--json out.json]
 """
 import argparse
 import json
@@ -114,6 +117,8 @@ def main():
                         help="capture the first variant once more, after the others")
     parser.add_argument("--compile-first", action="store_true",
                         help="run every variant once before the first capture")
+    parser.add_argument("--throwaway-first", action="store_true",
+                        help="capture two plain graphs of another cell before the first one")
     parser.add_argument("--dump-graphs", metavar="DIR",
                         help="write the first cell's graphs here as DOT files")
     args = parser.parse_args()
@@ -127,6 +132,13 @@ def main():
         os.makedirs(dump_dir, exist_ok=True)
     results = {"environment": environment(torch.device("cuda"), command=sys.argv,
                                           functional=False)}
+    if args.throwaway_first:   # B1 L1K's two plain graphs, timed and dropped before the cells
+        cache, table, qs = build([1024], 32, 8, 128)
+        row = variant_costs(cache, table, qs, 32, 8, 128, order=["plain" + FIRST, "plain"])
+        results["throwaway 32/8/128 B1 L1K"] = row
+        print("throwaway 32/8/128 B1 L1K", json.dumps(row), flush=True)
+        del cache, qs
+        torch.cuda.empty_cache()
     for shape, (hq, hkv, d) in SHAPES.items():
         for cell, lens in CELLS.items():
             cache, table, qs = build(lens, hq, hkv, d)
