@@ -6,7 +6,7 @@
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
-#                                        longsplit|fp8vt|e2e ...]
+#                                        longsplit|fp8vt|firstgraph|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -21,7 +21,8 @@
 # (llama3-70b-tp8, gpt-oss-tp8); longsplit: v17's balanced chunks for long splits against the rule
 # before (:balfrom0), twice, at $PRESETS (default the fitted presets with few KV heads); fp8vt: an
 # fp8 cache in HND against HND_VT (V's blocks transposed), both scale granularities, alternated
-# twice, with the fp16 step of the same cells; e2e: transformers end to end, each run "model
+# twice, with the fp16 step of the same cells; firstgraph: the variant-cost probe with two graphs
+# of another cell captured first (v20: a process's first graphs replay at half the bandwidth); e2e: transformers end to end, each run "model
 # requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -157,6 +158,10 @@ for step in $steps; do
                  python3 scripts/benchmark_tables.py --ab-a "$out"/fp8vt/$g-HND-{1,2}.json \
                    --ab-b "$out"/fp8vt/$g-HND_VT-{1,2}.json
                done ;;
+    firstgraph) mkdir -p "$out/firstgraph"   # the process's first graphs: another cell's first
+               timeout 150 python3 scripts/probe_variant_cost.py --throwaway-first --last-again \
+                 --json "$out/firstgraph/firstgraph.json" > "$out/firstgraph/firstgraph-log.txt" 2>&1
+               cut -c1-300 "$out/firstgraph/firstgraph-log.txt" | tail -5 ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
