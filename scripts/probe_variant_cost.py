@@ -55,19 +55,23 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
     variant). compile_first: every variant's plan() and run() once before any capture."""
     graphs, errors, plans = [], {}, {}
     sinks = 2.0 * torch.randn(hq, device="cuda")
-    if compile_first:
-        for variant in VARIANTS.values():
-            w = DecodeWrapper("HND")
-            w.plan(**table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
-                   logits_soft_cap=variant.get("logits_soft_cap", 0.0))
-            w.run(qs[0], cache.pools[0], **(dict(sinks=sinks) if variant.get("sinks") else {}))
-        torch.cuda.synchronize()
-    for n, name in enumerate(order):
-        variant = VARIANTS[name.removesuffix(FIRST).removesuffix(LAST)]
-        w = DecodeWrapper("HND")
+
+    def keywords(variant: dict) -> tuple[dict, dict]:
+        """plan()'s and run()'s keywords for a VARIANTS entry."""
         plan_kw = dict(table, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
                        logits_soft_cap=variant.get("logits_soft_cap", 0.0))
-        run_kw = dict(sinks=sinks) if variant.get("sinks") else {}
+        return plan_kw, (dict(sinks=sinks) if variant.get("sinks") else {})
+
+    if compile_first:
+        for variant in VARIANTS.values():
+            plan_kw, run_kw = keywords(variant)
+            w = DecodeWrapper("HND")
+            w.plan(**plan_kw)
+            w.run(qs[0], cache.pools[0], **run_kw)
+        torch.cuda.synchronize()
+    for n, name in enumerate(order):
+        plan_kw, run_kw = keywords(VARIANTS[name.removesuffix(FIRST).removesuffix(LAST)])
+        w = DecodeWrapper("HND")
         outs = [torch.full_like(q, float("nan")) for q in qs]
         w.plan(**plan_kw)
         w.run(qs[0], cache.pools[0], out=outs[0], **run_kw)
