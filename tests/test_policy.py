@@ -73,6 +73,21 @@ def test_fit_keeps_the_default_rule_within_the_tie_tolerance():
     assert fit_policy(partial, gpu="X").table["b0"] == SPLIT
 
 
+def test_fit_keeps_the_default_rule_in_a_bin_of_one_step():
+    """One calibration step is not enough to move a bin off the default rule, however large
+    the gain it shows; min_bin_steps=1 takes it, and a bad min_bin_steps is refused."""
+    one = [_step("a", "b0", SPLIT, 150), _step("a", "b0", SPLIT16, 100)]
+    policy = fit_policy(one, gpu="X")
+    assert policy.table["b0"] == SPLIT and policy.fit["min_bin_steps"] == 2
+    assert policy.fit["bins"]["b0"] == {"steps": 1, "best": "split", "median_us": 150}
+    assert fit_policy(one, gpu="X", min_bin_steps=1).table["b0"] == SPLIT16
+    two = one + [_step("b", "b0", SPLIT, 150), _step("b", "b0", SPLIT16, 100)]
+    assert fit_policy(two, gpu="X").table["b0"] == SPLIT16
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="min_bin_steps"):
+            fit_policy(one, gpu="X", min_bin_steps=bad)
+
+
 def test_decide_and_dense_codes():
     """A fitted bin's choice; an unfitted bin takes the default rule. dense_codes() lays every
     bin out rows-major, then longest context, then spread, as the planner reads it."""

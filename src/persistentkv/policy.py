@@ -28,6 +28,10 @@ ROW_EDGES = (1, 4, 8, 32)                 # bins: 1 | 2-4 | 5-8 | 9-32 | >32 act
 MAX_LEN_EDGES = (2048, 8192, 32768)       # bins: <=2K | <=8K | <=32K | >32K tokens
 SPREAD_EDGES = (2.0,)                     # bins: even (max/mean <= 2) | skewed
 EDGES = (ROW_EDGES, MAX_LEN_EDGES, SPREAD_EDGES)
+# A bin moves off the default rule only on at least this many calibration steps: qwen2.5-7b's
+# bin of 2-4 rows up to 8K, fitted on one step of about 11 us to splits of 16 pages, ran B4 L8K
+# at 33.5 us against the rule's 24.6 (FlashInfer's best 25.6; docs/perf-notes.md, v21).
+MIN_BIN_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -178,8 +182,8 @@ def load_policy(gpu_name: str, path: str | Path | None = None, *,
 
 
 def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
-               tie_tolerance: float = 0.02, info: dict | None = None,
-               shape: tuple[int, int, int] | None = None,
+               tie_tolerance: float = 0.02, min_bin_steps: int = MIN_BIN_STEPS,
+               info: dict | None = None, shape: tuple[int, int, int] | None = None,
                page_size: int | None = None) -> Policy:
     """Decision table from measured steps (of plans of `page_size`).
 
@@ -191,6 +195,8 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
     off the rule only for a clear gain (host costs are the same for every choice: one planner).
     """
     modes = ("graph_us", "eager_us")
+    if isinstance(min_bin_steps, bool) or not isinstance(min_bin_steps, int) or min_bin_steps < 1:
+        raise ValueError(f"min_bin_steps must be an int >= 1, got {min_bin_steps!r}")
     if objective not in modes:
         raise ValueError(f"objective must be 'graph_us' or 'eager_us', got {objective!r}")
     by_bin: dict[str, dict[Choice, list]] = {}
@@ -208,7 +214,7 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
             continue
         winner = min(finite, key=lambda c: (totals[c][objective], str(c)))
         default = fallback_choice()
-        if default in finite and (totals[default][objective]
+        if default in finite and (n < min_bin_steps or totals[default][objective]
                                   <= totals[winner][objective] * (1 + tie_tolerance)):
             winner = default
         table[bin_key] = winner
@@ -216,4 +222,4 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
                            "median_us": statistics.median(x[objective] for x in per_choice[winner])}
     return Policy(gpu=gpu, table=table, shape=shape, page_size=page_size,
                   fit={**(info or {}), "objective": objective, "tie_tolerance": tie_tolerance,
-                       "bins": counts})
+                       "min_bin_steps": min_bin_steps, "bins": counts})
