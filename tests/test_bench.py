@@ -201,6 +201,30 @@ def test_report_draws_the_speedup_over_flashinfer(tmp_path):
     assert all((tmp_path / "plots" / name).stat().st_size > 10_000 for name in written)
 
 
+def test_report_matrix_draws_shape_by_case(tmp_path):
+    """--matrix: one heatmap over the files (a shape each); its numbers are each file's pkv-auto
+    x FlashInfer's best, and a file without such a row is refused by name."""
+    from persistentkv.bench.report import speedup_matrix
+
+    paths = []
+    for shape, ratios in (("tp8", {"B1 L1K": 1.2, "B8 zipf": 0.9}), ("gqa", {"B8 zipf": 1.05})):
+        rows = [{"case": c, "backend": b, "status": "ok", "speedup_graph_vs_fi_best": x}
+                for c, r in ratios.items() for b, x in (("pkv-auto", r), ("fi-best", 1.0))]
+        paths.append(tmp_path / f"{shape}.json")
+        paths[-1].write_text(json.dumps({"environment": {}, "summary": rows, "steps": []}))
+    shapes, cases, ratio = speedup_matrix(paths)
+    assert shapes == ["tp8", "gqa"] and cases == ["B1 L1K", "B8 zipf"]
+    assert ratio == {("tp8", "B1 L1K"): 1.2, ("tp8", "B8 zipf"): 0.9, ("gqa", "B8 zipf"): 1.05}
+    out = tmp_path / "plots"
+    assert main(["report", *map(str, paths), "--matrix", "--out", str(out)]) == 0
+    assert [p.name for p in out.iterdir()] == ["shape-matrix.png"]
+    assert (out / "shape-matrix.png").stat().st_size > 10_000
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"environment": {}, "summary": [], "steps": []}))
+    with pytest.raises(ValueError, match="bare.json.*no pkv-auto row"):
+        speedup_matrix([bare])
+
+
 def test_config_variants_are_checked_like_the_defaults():
     device = torch.device("cuda" if ON_GPU else "cpu")
     names = ["pkv-grouped:warps8", "pkv-split@2:warps2:stages2", "pkv-auto:pps3:waves3"]

@@ -182,13 +182,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .bench.report import make_report
+    from .bench.report import make_report, matrix_heatmap
 
     paths = [Path(p) for p in args.results]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"no such results file: {', '.join(missing)}")
-    for p in make_report(paths, Path(args.out)):
+    written = ([matrix_heatmap(paths, Path(args.out) / "shape-matrix.png")] if args.matrix
+               else make_report(paths, Path(args.out)))
+    for p in written:
         print(f"wrote {p}")
     return 0
 
@@ -371,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="PNG plots from results JSON files")
     report.add_argument("results", nargs="+")
     report.add_argument("--out", default="results/plots")
+    report.add_argument("--matrix", action="store_true",
+                        help="one heatmap (shape-matrix.png) of pkv-auto x FlashInfer's best, a "
+                             "row per results file (one shape's grid each), a column per case")
     report.set_defaults(func=cmd_report)
     return parser
 

@@ -71,6 +71,55 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
     return written
 
 
+def speedup_matrix(paths: list[Path], *, backend: str = "pkv-auto") -> tuple[list, list, dict]:
+    """(shapes, cases, {(shape, case): x FlashInfer's best in graph replay}) of one results file
+    per shape (the file's stem names it), for `backend`; cases in the first file's order."""
+    shapes, cases, ratio = [], [], {}
+    for path in paths:
+        shape = Path(path).stem
+        rows = [r for r in json.loads(Path(path).read_text())["summary"]
+                if r["backend"] == backend and r["status"] == "ok"
+                and r.get("speedup_graph_vs_fi_best") is not None]
+        if not rows:
+            raise ValueError(f"{str(path)!r} holds no {backend} row timed against FlashInfer's "
+                             f"best (run the grid with its fi-* backends)")
+        shapes.append(shape)
+        for r in rows:
+            if r["case"] not in cases:
+                cases.append(r["case"])
+            ratio[(shape, r["case"])] = r["speedup_graph_vs_fi_best"]
+    return shapes, cases, ratio
+
+
+def matrix_heatmap(paths: list[Path], out_path: Path, *, backend: str = "pkv-auto") -> Path:
+    """One heatmap of shape x case: `backend` x FlashInfer's best in graph replay, the value in
+    each cell, under 1.00 in red; blank where a shape lacks the case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    shapes, cases, ratio = speedup_matrix(paths, backend=backend)
+    grid = [[ratio.get((s, c), math.nan) for c in cases] for s in shapes]
+    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.62), max(3, len(shapes) * 0.5 + 1.5)))
+    image = ax.imshow(grid, cmap="RdYlGn", norm=TwoSlopeNorm(vmin=0.8, vcenter=1.0, vmax=1.3),
+                      aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v == v:
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6.5)
+    ax.set_xticks(range(len(cases)), cases, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(len(shapes)), shapes, fontsize=8)
+    fig.colorbar(image, ax=ax, label=f"{backend} x FlashInfer's best (graph)")
+    finite = [v for row in grid for v in row if v == v]
+    geo = math.exp(sum(math.log(v) for v in finite) / len(finite))
+    ax.set_title(f"{backend} against FlashInfer's best per step: geometric mean {geo:.3f}x "
+                 f"over {len(finite)} cells, {sum(v < 1.0 for v in finite)} under 1.00")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out_path)
+
+
 def _grouped_bars(ax, cases: list[str], series: list[str], by: dict, value) -> None:
     """One group of bars per case, one bar per series (backend): value(row) of by[(case, series)],
     NaN where missing; the case names under the groups."""
