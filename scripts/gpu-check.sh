@@ -22,7 +22,8 @@
 # before (:balfrom0), twice, at $PRESETS (default the fitted presets with few KV heads); fp8vt: an
 # fp8 cache in HND against HND_VT (V's blocks transposed), both scale granularities, alternated
 # twice, with the fp16 step of the same cells; firstgraph: the variant-cost probe with two graphs
-# of another cell captured first (v20: a process's first graphs replay at half the bandwidth); e2e: transformers end to end, each run "model
+# of a torch copy captured first, each timed (v21: two graphs of another cell of ours captured
+# first take away the slowness of a process's first graphs); e2e: transformers end to end, each run "model
 # requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -158,10 +159,11 @@ for step in $steps; do
                  python3 scripts/benchmark_tables.py --ab-a "$out"/fp8vt/$g-HND-{1,2}.json \
                    --ab-b "$out"/fp8vt/$g-HND_VT-{1,2}.json
                done ;;
-    firstgraph) mkdir -p "$out/firstgraph"   # the process's first graphs: another cell's first
-               timeout 150 python3 scripts/probe_variant_cost.py --throwaway-first --last-again \
-                 --json "$out/firstgraph/firstgraph.json" > "$out/firstgraph/firstgraph-log.txt" 2>&1
-               cut -c1-300 "$out/firstgraph/firstgraph-log.txt" | tail -5 ;;
+    firstgraph) mkdir -p "$out/firstgraph"   # a process's first graphs: a torch copy's first
+               timeout 150 python3 scripts/probe_variant_cost.py --throwaway-torch --last-again \
+                 --json "$out/firstgraph/firstgraph-torch.json" \
+                 > "$out/firstgraph/firstgraph-torch-log.txt" 2>&1
+               cut -c1-300 "$out/firstgraph/firstgraph-torch-log.txt" | tail -6 ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"

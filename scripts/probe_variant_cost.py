@@ -11,14 +11,17 @@ reported as "<name>, first capture", to tell a slow first capture from a slow fi
 --compile-first runs every variant once before any graph is captured (its kernels compiled and
 loaded first); --throwaway-first captures and replays two plain graphs of another cell (B1 L1K,
 its own pools) before the first measured one, to tell the process's first captures from the
-first cell's;
+first cell's; --throwaway-torch captures two graphs of a plain torch copy (128 MB, no kernel of
+ours) first, each timed, to tell whether any first graph of a process is slow and whether one
+of torch's takes the slowness away from ours;
 --dump-graphs DIR writes each graph of the first cell as a DOT file (its nodes and their launch
 parameters) to compare them. Issue 17's bar: each variant <= 1.03x the plain step on B8 L8K and
 B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
 Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-twice]
-     [--last-again] [--compile-first] [--throwaway-first] [--dump-graphs DIR]
+     [--last-again] [--compile-first] [--throwaway-first] [--throwaway-torch]
+                                [--dump-graphs DIR]
      [--json out.json]
 """
 import argparse
@@ -96,6 +99,20 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
     return row
 
 
+def torch_throwaway(*, reps: int = 10) -> dict:
+    """Two graphs of one 128 MB device copy, captured and replayed in turn: us per replay and
+    TB/s (read and write) of the first and of the second."""
+    src = torch.randn(64 << 20, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    graphs = [capture_graph(lambda: dst.copy_(src)) for _ in range(2)]
+    us = replay_medians(graphs, reps=reps)
+    row = {name: {"us": t, "tbps": 2 * src.numel() * src.element_size() / t / 1e6}
+           for name, t in zip(("copy, first capture", "copy, second capture"), us)}
+    del src, dst, graphs
+    torch.cuda.empty_cache()
+    return row
+
+
 def softcap_accuracy(cache, table, qs, hq, hkv, d) -> dict:
     """Relative error of soft-cap 50 with scores of spread sigma (q scaled by sigma)."""
     out = {}
@@ -123,6 +140,8 @@ def main():
                         help="run every variant once before the first capture")
     parser.add_argument("--throwaway-first", action="store_true",
                         help="capture two plain graphs of another cell before the first one")
+    parser.add_argument("--throwaway-torch", action="store_true",
+                        help="capture two graphs of a torch copy (no kernel of ours) first")
     parser.add_argument("--dump-graphs", metavar="DIR",
                         help="write the first cell's graphs here as DOT files")
     args = parser.parse_args()
@@ -136,6 +155,9 @@ def main():
         os.makedirs(dump_dir, exist_ok=True)
     results = {"environment": environment(torch.device("cuda"), command=sys.argv,
                                           functional=False)}
+    if args.throwaway_torch:   # a torch op's graphs, before any of ours
+        results["throwaway torch copy"] = row = torch_throwaway()
+        print("throwaway torch copy", json.dumps(row), flush=True)
     if args.throwaway_first:   # B1 L1K's two plain graphs, timed and dropped before the cells
         cache, table, qs = build([1024], 32, 8, 128)
         row = variant_costs(cache, table, qs, 32, 8, 128, order=["plain" + FIRST, "plain"])
