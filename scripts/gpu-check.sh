@@ -6,7 +6,7 @@
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
-#                                        longsplit|fp8vt|firstgraph|e2e ...]
+#                                        longsplit|fp8vt|firstgraph|stepparts|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -23,7 +23,8 @@
 # fp8 cache in HND against HND_VT (V's blocks transposed), both scale granularities, alternated
 # twice, with the fp16 step of the same cells; firstgraph: the variant-cost probe with two graphs
 # of a torch copy captured first, each timed (v21: two graphs of another cell of ours captured
-# first take away the slowness of a process's first graphs); e2e: transformers end to end, each run "model
+# first take away the slowness of a process's first graphs); stepparts: the small steps FlashInfer's
+# XQA wins, timed as plan + runs, runs alone, plan alone and one empty launch (v21); e2e: transformers end to end, each run "model
 # requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -164,6 +165,14 @@ for step in $steps; do
                  --json "$out/firstgraph/firstgraph-torch.json" \
                  > "$out/firstgraph/firstgraph-torch-log.txt" 2>&1
                cut -c1-300 "$out/firstgraph/firstgraph-torch-log.txt" | tail -6 ;;
+    stepparts) mkdir -p "$out/stepparts"   # small steps: planner, launches, kernel, apart
+               for pc in "llama3-70b-tp8:B128 L1K,B32 L1K,B8 L4K" "gpt-oss-tp8:B128 L1K,B8 L4K" \
+                         "qwen2.5-7b:B32 L1K,B8 L1K,B4 zipf" "gpt-oss:B4 zipf,B1 L8K"; do
+                 p=${pc%%:*}
+                 timeout 150 python3 scripts/probe_step_parts.py --preset "$p" --cells "${pc#*:}" \
+                   --json "$out/stepparts/stepparts-$p.json" > "$out/stepparts/stepparts-$p-log.txt" 2>&1
+                 cut -c1-300 "$out/stepparts/stepparts-$p-log.txt" | tail -3
+               done ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"

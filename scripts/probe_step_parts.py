@@ -1,0 +1,109 @@
+"""Where a small step's time goes: the planner, the decode launches and what a graph costs.
+
+For each named grid cell of a preset, on one cache (each layer its own pool, as the benchmark
+lays it out) and one default-rule plan, CUDA graphs of: the plan and the L runs (what the
+benchmark times), the L runs alone (planned before the capture), the plan alone, and one empty
+kernel launch (a graph's floor). All are replayed in turn, twice; us per replay and per layer,
+with the plan's tasks and split. The issue-14 question: on the small steps FlashInfer's XQA
+takes (v21: 23 of the matrix's 57 losses, all under 30 us), is it the planner, the kernel or the
+launches that we would have to cut?
+Run: PYTHONPATH=src python scripts/probe_step_parts.py --preset llama3-70b-tp8
+                                --cells "B128 L1K,B32 L1K" [--json out.json]
+"""
+import argparse
+import json
+import sys
+
+import torch
+
+from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative_error
+from persistentkv.bench.measure import capture_graph, replay_medians
+from persistentkv.bench.results import environment
+from persistentkv.bench.runner import ModelShape
+from persistentkv.bench.suite import grid_cases
+from persistentkv.tuning import KernelConfig
+
+BUDGET_BYTES = 40e9   # the cache's layers, at most 32
+
+
+def build(lens, shape: ModelShape):
+    """A cache of len(lens) rows (layers its own pools, up to 32 within the budget), its CSR
+    table and one query tensor per layer."""
+    page = shape.page_size
+    pages = sum(-(-n // page) for n in lens) + 1
+    per_layer = pages * page * shape.num_kv_heads * shape.head_dim * 4
+    layers = max(1, min(32, int(BUDGET_BYTES // per_layer)))
+    cache = PagedKVCache(num_layers=layers, num_pages=pages, page_size=page,
+                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                         dtype=shape.dtype, layout="HND", device="cuda", shuffle_seed=0,
+                         init="randn")
+    for i, n in enumerate(lens):
+        cache.add_sequence(i)
+        cache.append_tokens(i, n)
+    table = cache.page_table(list(range(len(lens)))).csr("cuda")
+    qs = [torch.randn(len(lens), shape.num_qo_heads, shape.head_dim, dtype=shape.dtype,
+                      device="cuda") for _ in range(layers)]
+    return cache, table, qs
+
+
+def step_parts(lens, shape: ModelShape, *, reps: int) -> dict:
+    cache, (indptr, indices, last), qs = build(lens, shape)
+    plan_kw = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                   num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+                   head_dim=shape.head_dim, page_size=shape.page_size, backend="split",
+                   config=KernelConfig())
+    wrapper = DecodeWrapper("HND")
+    outs = [torch.full_like(q, float("nan")) for q in qs]
+    wrapper.plan(**plan_kw)
+    wrapper.run(qs[0], cache.pools[0], out=outs[0])
+    ref, _ = reference_decode(qs[0], cache.pools[0], layout="HND", kv_indptr=indptr,
+                              kv_indices=indices, kv_last_page_len=last)
+    error = relative_error(outs[0], ref)
+    info = wrapper.current_plan.info()
+
+    def runs():
+        for i, q in enumerate(qs):
+            wrapper.run(q, cache.pools[i], out=outs[i])
+
+    def plan_and_runs():
+        wrapper.plan(**plan_kw)
+        runs()
+
+    flag = torch.zeros(1, device="cuda")
+    bodies = {"plan + runs": plan_and_runs, "runs": runs,
+              "plan": lambda: wrapper.plan(**plan_kw), "one empty launch": lambda: flag.add_(0)}
+    graphs = [capture_graph(body) for body in bodies.values()]
+    rounds = [replay_medians(graphs, reps=reps) for _ in range(2)]
+    layers = len(qs)
+    row = {name: {"us": [r[i] for r in rounds],
+                  "us_per_layer": [r[i] / layers for r in rounds] if "runs" in name else None}
+           for i, name in enumerate(bodies)}
+    row.update(layers=layers, error=error, tasks=int(info["num_tasks"]),
+               split_tokens=int(info["split_tokens"]), choice=str(info["choice"]))
+    del cache, qs, outs, graphs
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", required=True, help="a model shape preset (bench --preset)")
+    parser.add_argument("--cells", required=True, help="grid cells, comma-separated")
+    parser.add_argument("--reps", type=int, default=20, help="replays per graph and round")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    shape = ModelShape.of(args.preset)
+    cells = grid_cases([c.strip() for c in args.cells.split(",")])   # names checked first
+    results = {"environment": environment(torch.device("cuda"), command=sys.argv,
+                                          functional=False)}
+    for name, lens in cells:
+        row = step_parts(lens, shape, reps=args.reps)
+        results[f"{args.preset} {name}"] = row
+        print(args.preset, name, json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
