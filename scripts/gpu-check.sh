@@ -6,7 +6,7 @@
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
-#                                        longsplit|fp8vt|firstgraph|stepparts|e2e ...]
+#                                        longsplit|fp8vt|firstgraph|tp8tiles|stepparts|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -24,7 +24,9 @@
 # twice, with the fp16 step of the same cells; firstgraph: the variant-cost probe with two graphs
 # of a torch copy captured first, each timed (v21: two graphs of another cell of ours captured
 # first take away the slowness of a process's first graphs); stepparts: the small steps FlashInfer's
-# XQA wins, timed as plan + runs, runs alone, plan alone and one empty launch (v21); e2e: transformers end to end, each run "model
+# XQA wins, timed as plan + runs, runs alone, plan alone and one empty launch (v21); tp8tiles:
+# gpt-oss-tp8's 64-token tiles at 4 and 5 stages, and 128-token tiles at 2 (v21: its large steps
+# at 0.94-0.95x FlashInfer's tensor-core wrapper); e2e: transformers end to end, each run "model
 # requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -165,6 +167,14 @@ for step in $steps; do
                  --json "$out/firstgraph/firstgraph-torch.json" \
                  > "$out/firstgraph/firstgraph-torch-log.txt" 2>&1
                cut -c1-300 "$out/firstgraph/firstgraph-torch-log.txt" | tail -6 ;;
+    tp8tiles)  mkdir -p "$out/tp8tiles"   # gpt-oss-tp8 (8/1/64): deeper pipelines at 64 tokens
+               for i in 1 2; do   # twice, for the noise
+                 timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
+                   --cells "B32 L128K,B128 L32K,B8 L32K,B128 L1K,B8 L4K,B1 L8K,B4 zipf" \
+                   --backends pkv-auto,pkv-auto:stages4,pkv-auto:stages5,pkv-auto:blockn128:stages2,fi-tensor-core,fi-xqa \
+                   --out "$out/tp8tiles" --tag "tp8tiles-$i" > "$out/tp8tiles/tp8tiles-$i-log.txt" 2>&1
+                 tail -1 "$out/tp8tiles/tp8tiles-$i-log.txt"
+               done ;;
     stepparts) mkdir -p "$out/stepparts"   # small steps: planner, launches, kernel, apart
                for pc in "llama3-70b-tp8:B128 L1K,B32 L1K,B8 L4K" "gpt-oss-tp8:B128 L1K,B8 L4K" \
                          "qwen2.5-7b:B32 L1K,B8 L1K,B4 zipf" "gpt-oss:B4 zipf,B1 L8K"; do
