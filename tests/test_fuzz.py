@@ -124,7 +124,7 @@ def _still_runs(case, wrapper, before):
     assert _same(case, wrapper.run(case.q, case.kv_cache), before)
 
 
-@settings(max_examples=6 if ON_GPU else 40, deadline=None, phases=NO_SHRINK)
+@settings(max_examples=6 if ON_GPU else 12, deadline=None, phases=NO_SHRINK)
 @given(p=problems(), which=st.sampled_from(PLAN_VALUES))
 def test_plan_arguments(p, which):
     name, value, valid = which
@@ -146,7 +146,7 @@ def test_plan_arguments(p, which):
     _check(case, wrapper.run(case.q, case.kv_cache), sm_scale=plan.sm_scale)
 
 
-@settings(max_examples=6 if ON_GPU else 30, deadline=None, phases=NO_SHRINK)
+@settings(max_examples=6 if ON_GPU else 10, deadline=None, phases=NO_SHRINK)
 @given(p=problems(), which=st.sampled_from(RUN_VALUES))
 def test_run_arguments(p, which):
     name, value, valid = which

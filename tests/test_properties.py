@@ -43,7 +43,7 @@ def decode_problems(draw):
 
 
 # every example compiles a new kernel variant on a GPU (seconds each); the interpreter has none
-@settings(max_examples=12 if ON_GPU else 25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(p=decode_problems())
 def test_decode_matches_reference_on_random_problems(p):
     dtype = DTYPES[p["dtype"]]
