@@ -6,7 +6,7 @@
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
-#                                        longsplit|fp8vt|firstgraph|tp8tiles|stepparts|e2e ...]
+#                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -26,7 +26,8 @@
 # first take away the slowness of a process's first graphs); stepparts: the small steps FlashInfer's
 # XQA wins, timed as plan + runs, runs alone, plan alone and one empty launch (v21); tp8tiles:
 # gpt-oss-tp8's 64-token tiles at 4 and 5 stages, and 128-token tiles at 2 (v21: its large steps
-# at 0.94-0.95x FlashInfer's tensor-core wrapper); e2e: transformers end to end, each run "model
+# at 0.94-0.95x FlashInfer's tensor-core wrapper); qsplits: rows of 4, 8 and 16 queries with
+# splits of at least 256 or 512 tokens, or one task an SM (v21: the small steps' misses); e2e: transformers end to end, each run "model
 # requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -167,6 +168,14 @@ for step in $steps; do
                  --json "$out/firstgraph/firstgraph-torch.json" \
                  > "$out/firstgraph/firstgraph-torch-log.txt" 2>&1
                cut -c1-300 "$out/firstgraph/firstgraph-torch-log.txt" | tail -6 ;;
+    qsplits)   mkdir -p "$out/qsplits"   # several queries a row: longer splits, fewer partials
+               for q in 4 8 16; do
+                 timeout 200 python3 -m persistentkv.cli bench --grid --q-len $q \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B4 zipf,B8 L8K" \
+                   --backends pkv-auto,pkv-auto:minsplit256,pkv-auto:minsplit512,pkv-auto:waves1,fi-prefill \
+                   --out "$out/qsplits" --tag "qsplits-q$q" > "$out/qsplits/qsplits-q$q-log.txt" 2>&1
+                 tail -1 "$out/qsplits/qsplits-q$q-log.txt"
+               done ;;
     tp8tiles)  mkdir -p "$out/tp8tiles"   # gpt-oss-tp8 (8/1/64): deeper pipelines at 64 tokens
                for i in 1 2; do   # twice, for the noise
                  timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
