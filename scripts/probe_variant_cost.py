@@ -21,8 +21,7 @@ Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is si
 error against the float64 reference; fp16's bound is 2e-3.
 Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-twice]
      [--last-again] [--compile-first] [--throwaway-first] [--throwaway-torch]
-                                [--dump-graphs DIR]
-     [--json out.json]
+     [--dump-graphs DIR] [--json out.json]
 """
 import argparse
 import json
