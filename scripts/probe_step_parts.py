@@ -1,12 +1,12 @@
 """Where a small step's time goes: the planner, the decode launches and what a graph costs.
 
-For each named grid cell of a preset, on one cache (each layer its own pool, as the benchmark
-lays it out) and one default-rule plan, CUDA graphs of: the plan and the L runs (what the
-benchmark times), the L runs alone (planned before the capture), the plan alone, and one empty
-kernel launch (a graph's floor). All are replayed in turn, twice; us per replay and per layer,
-with the plan's tasks and split. The issue-14 question: on the small steps FlashInfer's XQA
-takes (v21: 23 of the matrix's 57 losses, all under 30 us), is it the planner, the kernel or the
-launches that we would have to cut?
+For each named grid cell of a preset (fp16), on probe_cells' cache (each layer its own pool, as
+the benchmark lays it out) and one default-rule plan (the shape's default tile), CUDA graphs of:
+the plan and the L runs (what the benchmark times), the L runs alone (planned before the
+capture), the plan alone, and one empty kernel launch (a graph's floor). All are replayed in
+turn, twice; us per replay and per layer, with the plan's tasks and split. The issue-14
+question: on the small steps FlashInfer's XQA takes (v21: 23 of the matrix's 57 losses, all
+under 30 us), is it the planner, the kernel or the launches that we would have to cut?
 Run: PYTHONPATH=src python scripts/probe_step_parts.py --preset llama3-70b-tp8
                                 --cells "B128 L1K,B32 L1K" [--json out.json]
 """
@@ -16,42 +16,21 @@ import sys
 
 import torch
 
-from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative_error
+from persistentkv import DecodeWrapper, reference_decode, relative_error
 from persistentkv.bench.measure import capture_graph, replay_medians
 from persistentkv.bench.results import environment
 from persistentkv.bench.runner import ModelShape
 from persistentkv.bench.suite import grid_cases
-from persistentkv.tuning import KernelConfig
-
-BUDGET_BYTES = 40e9   # the cache's layers, at most 32
-
-
-def build(lens, shape: ModelShape):
-    """A cache of len(lens) rows (layers its own pools, up to 32 within the budget), its CSR
-    table and one query tensor per layer."""
-    page = shape.page_size
-    pages = sum(-(-n // page) for n in lens) + 1
-    per_layer = pages * page * shape.num_kv_heads * shape.head_dim * 4
-    layers = max(1, min(32, int(BUDGET_BYTES // per_layer)))
-    cache = PagedKVCache(num_layers=layers, num_pages=pages, page_size=page,
-                         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                         dtype=shape.dtype, layout="HND", device="cuda", shuffle_seed=0,
-                         init="randn")
-    for i, n in enumerate(lens):
-        cache.add_sequence(i)
-        cache.append_tokens(i, n)
-    table = cache.page_table(list(range(len(lens)))).csr("cuda")
-    qs = [torch.randn(len(lens), shape.num_qo_heads, shape.head_dim, dtype=shape.dtype,
-                      device="cuda") for _ in range(layers)]
-    return cache, table, qs
+import probe_cells   # this script's folder is on sys.path when it runs
 
 
 def step_parts(lens, shape: ModelShape, *, reps: int) -> dict:
-    cache, (indptr, indices, last), qs = build(lens, shape)
+    cache, (indptr, indices, last), qs = probe_cells.cell(lens, shape.num_qo_heads,
+                                                          shape.num_kv_heads, shape.head_dim,
+                                                          shape.page_size)
     plan_kw = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
                    num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
-                   head_dim=shape.head_dim, page_size=shape.page_size, backend="split",
-                   config=KernelConfig())
+                   head_dim=shape.head_dim, page_size=shape.page_size, backend="split")
     wrapper = DecodeWrapper("HND")
     outs = [torch.full_like(q, float("nan")) for q in qs]
     wrapper.plan(**plan_kw)
