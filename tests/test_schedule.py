@@ -18,7 +18,7 @@ from paged_case import DEVICE
 from persistentkv import DecodeWrapper, PageTable
 from persistentkv.runtime import sm_count
 from persistentkv.schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
-                                   chunks_per_head)
+                                   chunks_per_head, min_split_tokens)
 from persistentkv.tuning import KernelConfig
 
 SMS = sm_count(DEVICE)   # 4 on the interpreter (runtime.CPU_SM_COUNT), the GPU's SMs on a GPU
@@ -222,6 +222,22 @@ def test_small_batches_split_to_about_waves_per_sm():
     plan, starts = plan_for([300])
     info, rec = check_tasks(plan, [300], starts, 16)
     assert info["split_tokens"] == 112 and rec[:, 3].tolist() == [112, 224, 300]
+
+
+@pytest.mark.parametrize("q_len, split", [(1, 112), (8, 112), (16, 160)])
+def test_tiles_of_many_query_rows_split_less(q_len, split):
+    """A task's smallest split grows with its tile's rows (query tokens x group) past
+    MIN_SPLIT_TILE_ROWS: at group 4, 16 queries a row (64 rows) split at least 256 tokens, so a
+    300-token row is 2 even splits of 160; 8 queries (32 rows) keep 128: 3 splits of 112."""
+    table = table_for([300], 16)
+    indptr, indices, last = table.csr(DEVICE)
+    qo_indptr = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
+    plan = DecodeWrapper("NHD").plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                                     num_qo_heads=8, num_kv_heads=2, head_dim=16, page_size=16,
+                                     qo_indptr=None if q_len == 1 else qo_indptr)
+    info, rec = check_tasks(plan, [300], indptr[:-1].cpu().numpy(), 16)
+    assert info["split_tokens"] == split and len(rec) == cdiv(300, split)
+    assert min_split_tokens(CFG, tile_rows=q_len * 4) == (256 if q_len == 16 else 128)
 
 
 PPS_33 = 33 * 8 // SMS   # programs per SM that give 33 chunks per KV head at 8 KV heads

@@ -354,6 +354,26 @@ def test_e2e_run_of_a_tiny_model(tmp_path):
         assert 0 <= r["token_agreement"] <= 1 and 0 <= r["matching_prefix"] <= 3
         assert r["tf_scored_requests"] == 2 and r["tf_logits_rel_diff"] < 5e-3
     assert rows[0]["tf_logits_max_abs_diff"] == 0.0 and rows[0]["speedup"] == 1.0
+    assert {r["dtype"] for r in rows} == {"bfloat16" if ON_GPU else "float16"}
+
+
+def test_e2e_runs_the_model_in_the_dtype_asked(tmp_path):
+    """`persistentkv e2e --dtype`: the other of the two dtypes than the device's default runs
+    (tokens from every implementation); float32, which the kernel does not take, is refused by
+    name before a model is built."""
+    from persistentkv.bench.e2e import run_e2e
+
+    other = torch.float16 if ON_GPU else torch.bfloat16
+    rows = run_e2e(model_name="tiny", requests=[2], mean_prompt=12, new_tokens=2,
+                   impls=["paged|sdpa", NAME], device=DEVICE, out_dir=tmp_path, tag="d",
+                   teacher_forced=False, dtype=other)
+    assert [(r["impl"], r["dtype"], r["error"]) for r in rows] == [
+        ("paged|sdpa", str(other)[6:], None), (NAME, str(other)[6:], None)]
+    assert rows[1]["decode_tokens_per_s"] > 0
+    with pytest.raises(ValueError, match=r"dtype must be .*float32"):
+        run_e2e(model_name="tiny", requests=[2], mean_prompt=12, new_tokens=2,
+                impls=["paged|sdpa", NAME], device=DEVICE, out_dir=tmp_path, tag="f",
+                dtype=torch.float32)
 
 
 def test_e2e_run_of_a_tiny_gpt_oss(tmp_path):

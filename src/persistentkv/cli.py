@@ -210,7 +210,9 @@ def cmd_e2e(args: argparse.Namespace) -> int:
             new_tokens=args.new_tokens, impls=impls.split(","), device=torch.device(device),
             out_dir=Path(args.out), tag=args.tag or f"e2e-{model}",
             teacher_forced=not args.no_teacher_forced, profile=args.profile,
-            fixed_routing=args.fixed_routing)
+            fixed_routing=args.fixed_routing,
+            dtype=None if args.dtype is None else {"fp16": torch.float16,
+                                                   "bf16": torch.bfloat16}[args.dtype])
     return 0
 
 
@@ -332,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--no-teacher-forced", action="store_true",
                      help="skip the teacher-forced scoring (one more prefill per implementation "
                           "and batch: the reference's tokens through each)")
+    e2e.add_argument("--dtype", choices=["fp16", "bf16"],
+                     help="the model's dtype (default: bf16 on a GPU, fp16 on the CPU); fp16's "
+                          "finer rounding is a control for the agreement numbers")
     e2e.add_argument("--fixed-routing", action="store_true",
                      help="mixture-of-experts models (gpt-oss-20b): every token to the same "
                           "experts, so that random routers' flips do not amplify an attention "

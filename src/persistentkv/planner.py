@@ -23,7 +23,8 @@ from .queries import QueryLayout
 from .policy import EDGES, Policy, fallback_choice, load_policy
 from .runtime import next_power_of_2, sm_count
 from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
-                       chunks_per_head, split_task_target, task_bound, whole_row_min_rows)
+                       chunks_per_head, min_split_tokens, split_task_target, task_bound,
+                       whole_row_min_rows)
 from .tuning import KernelConfig
 
 CAPACITY_QUANTUM = 256   # task buffers grow in steps of this many tasks
@@ -271,8 +272,8 @@ class Planner:
         dense = None if choice is not None else policy.dense_codes(page_size=options.page_size)
         codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
-        fixed_tail = (choice.code() if dense is None else 0, target, chunks, cfg.min_split_tokens,
-                      cfg.balanced_from_tokens,
+        fixed_tail = (choice.code() if dense is None else 0, target, chunks,   # (_bind adds the
+                      cfg.balanced_from_tokens,                                # smallest split)
                       whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
                       WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
         return codes, target, chunks, (edges, table, fixed_tail, dense is not None)
@@ -282,6 +283,8 @@ class Planner:
         """The planner's launch with everything but the page table and its sizes bound. q_pad:
         the tile's query tokens per row (a window keeps window_left + q_pad positions a row)."""
         edges, dense, tail, use_policy = fixed_tail
+        group = options.num_qo_heads // options.num_kv_heads
+        tail = (*tail[:3], min_split_tokens(options.config, tile_rows=q_pad * group), *tail[3:])
         window_tokens = -1 if options.window_left < 0 else options.window_left + q_pad
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,

@@ -11,7 +11,7 @@ programs_per_sm x SMs programs runs them: one item each, then the rest of its ch
 or, past one round, the items it claims (kernels/decode.py).
 
 The split rule: the step's tokens shared out as about config.waves x SMs tasks, each at least
-config.min_split_tokens. When rows x KV heads already fill the SMs and no row is longer than
+min_split_tokens(config, ...) (config.min_split_tokens, more for tiles of many query rows). When rows x KV heads already fill the SMs and no row is longer than
 WHOLE_ROW_SLACK x that balanced split, whole rows (splitting would only add partial writes and
 merges); a long row in a large batch is still cut. With config.one_round the split grows (by at
 most ONE_ROUND_SLACK, in at most ONE_ROUND_STEPS steps) until the tasks fit in the target: each
@@ -48,6 +48,7 @@ SCHEDULES = ("grouped", "split", "balanced")
 WHOLE_ROW_SLACK = 1.25   # a row up to this many times the balanced split is not cut
 ONE_ROUND_SLACK = 1.25   # one_round takes a split up to this many times the balanced one
 ONE_ROUND_STEPS = 8      # ... found in at most this many steps
+MIN_SPLIT_TILE_ROWS = 32  # tile rows up to which a split's floor is config.min_split_tokens
 DETERMINISTIC_SPLIT_TOKENS = 512  # split size of deterministic (batch-invariant) plans
 GROUPED_CODE, BALANCED_CODE = -1, -2   # Choice.code of the schedules without a split size
 
@@ -87,6 +88,16 @@ class Choice:
 
     def __str__(self) -> str:
         return self.schedule if self.split_pages is None else f"{self.schedule}@{self.split_pages}"
+
+
+def min_split_tokens(config: KernelConfig, *, tile_rows: int) -> int:
+    """The smallest split of a task whose tile holds tile_rows rows (query tokens x group):
+    config.min_split_tokens up to MIN_SPLIT_TILE_ROWS rows, times tile_rows / MIN_SPLIT_TILE_ROWS
+    past them. A task's partial is tile_rows x head_dim fp32 to write, read and merge; at 16
+    queries a row x group 4 (64 rows), splits of at least 256 tokens measured 8-14% faster on
+    B1 L1K, B4 L1K and B4 zipf than 128, and the same (within 0.3%) on the other cells; at 16
+    and 32 rows 256 lost 3-11% on B1 L1K and B4 L1K (docs/perf-notes.md, v22)."""
+    return config.min_split_tokens * max(1, tile_rows // MIN_SPLIT_TILE_ROWS)
 
 
 def split_task_target(*, num_kv_heads: int, sm_count: int, config: KernelConfig) -> int:

@@ -496,11 +496,15 @@ def attention_time(events, *, device: bool) -> dict:
 def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_tokens: int,
             impls: list[str], device: torch.device, out_dir: Path, tag: str,
             teacher_forced: bool = True, profile: bool = False,
-            fixed_routing: bool = False) -> list[dict]:
+            fixed_routing: bool = False, dtype: torch.dtype | None = None) -> list[dict]:
+    """dtype: the model's (None: bfloat16 on a GPU, float16 on the CPU)."""
     from ..integrations.transformers import register
 
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
     register()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     model = build_model(model_name, device=device, dtype=dtype, fixed_routing=fixed_routing)
     ref_name = impls[0]
     failed: dict[str, str] = {}   # an implementation that raised: reported, not run again
@@ -537,7 +541,8 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
                 rows.append({"model": model_name, "requests": n, "impl": impl,
                              "reference": ref_name, "error": failed.get(impl)})
                 continue
-            row = {"model": model_name, "requests": n, "mean_prompt": mean_prompt,
+            row = {"model": model_name, "dtype": str(dtype).removeprefix("torch."),
+                   "requests": n, "mean_prompt": mean_prompt,
                    "new_tokens": new_tokens, "impl": r["impl"], "reference": ref_name,
                    "wall_s": r["wall_s"],
                    "warmup_s": warmups[r["impl"]] if n == requests[0] else None,
