@@ -73,9 +73,9 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
     stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads (gpt-oss
     64/8: geomean 1.024 -> 1.044x FlashInfer), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10%
-    on its small, latency-bound cells, 1.093 -> 1.065x), there at four stages (v22: its large
-    steps 2.2-2.4% faster than at three, B32 L128K and B128 L32K in two runs; its small ones
-    within +-1.3%). Head dim 512 at block_n 16: compiled for
+    on its small, latency-bound cells, 1.093 -> 1.065x; v22: four stages there took its large
+    steps by 2.2-2.4% and cost its mixed batches 1-6%, geomean 1.074 -> 1.065x, not kept). Head
+    dim 512 at block_n 16: compiled for
     sm_90a, block_n 32 spills (255 registers, 32 B of stack) and needs 145 KB of shared memory at three
     stages; 16 keeps 222 registers, no spill, 81 KB (scripts/compile_check.py; timed in v10:
     0.93-0.98x FlashInfer where bandwidth-bound). An fp8 cache at head dim 128 reads tiles of 128
@@ -85,6 +85,6 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
         return KernelConfig(block_n=16)
     if head_dim > 128:
         return KernelConfig(block_n=32)
-    if head_dim <= 64:
-        return KernelConfig(block_n=128) if num_kv_heads >= 4 else KernelConfig(num_stages=4)
+    if head_dim <= 64 and num_kv_heads >= 4:
+        return KernelConfig(block_n=128)
     return KernelConfig(fp8_block_n=128 if head_dim == 128 else None)
