@@ -6,7 +6,8 @@
 # beside them. Run from the repository root, steps in the order given:
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
-#                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|e2e ...]
+#                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
+#                                        benchorder|graphdump|gemma2window|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -27,7 +28,11 @@
 # XQA wins, timed as plan + runs, runs alone, plan alone and one empty launch (v21); tp8tiles:
 # gpt-oss-tp8's 64-token tiles at 4 and 5 stages, and 128-token tiles at 2 (v21: its large steps
 # at 0.94-0.95x FlashInfer's tensor-core wrapper); qsplits: rows of 4, 8 and 16 queries with
-# splits of at least 256 or 512 tokens, or one task an SM (v21: the small steps' misses); e2e: transformers end to end, each run "model
+# splits of at least 256 or 512 tokens, or one task an SM (v21: the small steps' misses);
+# benchorder: llama3-70b-tp8's small cells with our graphs alone and replayed after XQA's (v22: the
+# probe's step 1-7% under the matrix's); graphdump: the variant-cost probe's graphs as DOT files
+# (v22: our first two graphs of a process run slow); gemma2window: gemma2-9b's windowed large
+# steps, 64-token tiles at two stages and the fixed schedules beside the rule (v22: 0.90-0.98x); e2e: transformers end to end, each run "model
 # requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -192,6 +197,26 @@ for step in $steps; do
                    --json "$out/stepparts/stepparts-$p.json" > "$out/stepparts/stepparts-$p-log.txt" 2>&1
                  cut -c1-300 "$out/stepparts/stepparts-$p-log.txt" | tail -3
                done ;;
+    benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's
+               for i in 1 2; do
+                 for b in pkv-auto pkv-auto,fi-xqa; do
+                   timeout 120 python3 -m persistentkv.cli bench --grid --preset llama3-70b-tp8 \
+                     --cells "B128 L1K,B32 L1K,B8 L4K" --backends $b --out "$out/benchorder" \
+                     --tag "benchorder-${b//,/-}-$i" > "$out/benchorder/log-${b//,/-}-$i.txt" 2>&1
+                   tail -1 "$out/benchorder/log-${b//,/-}-$i.txt"
+                 done
+               done ;;
+    graphdump) mkdir -p "$out/graphdump"   # the slow first graphs of a process, node by node
+               timeout 150 python3 scripts/probe_variant_cost.py --last-again \
+                 --dump-graphs "$out/graphdump" --json "$out/graphdump/graphdump.json" \
+                 > "$out/graphdump/graphdump-log.txt" 2>&1
+               cut -c1-300 "$out/graphdump/graphdump-log.txt" | tail -4 ;;
+    gemma2window) mkdir -p "$out/gemma2window"   # gemma2-9b's windowed large steps
+               timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
+                 --window-left 4096 --soft-cap 50 --cells "B128 L8K,B128 L32K,B32 L32K,B8 L4K" \
+                 --backends pkv-auto,pkv-auto:blockn64:stages2,pkv-balanced,pkv-split,fi-cuda-core,fi-tensor-core \
+                 --out "$out/gemma2window" --tag gemma2window > "$out/gemma2window/log.txt" 2>&1
+               tail -1 "$out/gemma2window/log.txt" ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
