@@ -16,7 +16,9 @@ Variants: per grid cell and run (--variants, the grids that `persistentkv bench 
 FlashInfer's best with the same features and against the plain step; the issue's bars counted.
 fp8: per grid cell (--fp8 FP16_GRID FP8_GRID..., grids of `persistentkv bench --grid --kv-fp8
 tensor|token`), each of our fp8 backends against pkv-auto on the fp16 cache and against
-FlashInfer's best fp8 entry; the issue's bars counted on the cells of >= 128 MB of fp16 KV.
+FlashInfer's best fp8 entry (from each grid, or --fp8-fi FI_GRID...: FlashInfer's fp8 entries
+run apart, in HND, where ours ran HND_VT); the issue's bars counted on the cells of >= 128 MB of
+fp16 KV.
 End to end: per run of `persistentkv e2e` (--e2e FILES), each implementation's decode tokens/s
 against the run's reference and its agreement with it, and issue 19's bars (>= 1.3x at 32 and 128
 requests of about 4K-token prompts; 95% of the first 32 greedy tokens); a control implementation
@@ -296,9 +298,15 @@ def _kv_fp8(env) -> str:
     return words[words.index("--kv-fp8") + 1]
 
 
-def fp8_summary(fp16_path, fp8_paths) -> dict:
+def fp8_summary(fp16_path, fp8_paths, fi_paths=()) -> dict:
     """Per fp8 run (granularity from its environment) and cell: each of our backends' us per layer,
-    its speedup over pkv-auto on the fp16 cache, and FlashInfer's best fp8 entry; the bars."""
+    its speedup over pkv-auto on the fp16 cache, and FlashInfer's best fp8 entry (from the run's
+    own file, or from fi_paths: FlashInfer's fp8 grids run apart, in HND, where ours ran HND_VT;
+    matched by granularity); the bars."""
+    fi_runs = {}
+    for path in fi_paths:
+        data, by, _ = _rows(path)
+        fi_runs[_kv_fp8(data["environment"])] = (path, by)
     _, fp16, _ = _rows(fp16_path)
     fp16_data = json.load(open(fp16_path))
     fp16_bytes = {s["case"]: s["kv_bytes"] for s in fp16_data["steps"]}
@@ -306,11 +314,12 @@ def fp8_summary(fp16_path, fp8_paths) -> dict:
     for path in fp8_paths:
         data, by, cases = _rows(path)
         granularity = _kv_fp8(data["environment"])
+        fi_file, fi_by = fi_runs.get(granularity, (None, by))
         ours = list(dict.fromkeys(b for (_, b) in by if b.startswith("pkv-")))
         cells = []
         for case in cases:
             half = fp16.get((case, "pkv-auto"))
-            fi = by.get((case, "fi-best"))
+            fi = fi_by.get((case, "fi-best"))
             cell = {"case": case, "fp16_kv_mb": fp16_bytes.get(case, float("nan")) / 1e6,
                     "fp16_pkv_us": half["graph_us_per_layer"] if half else None}
             if fi and fi["status"] == "ok":
@@ -334,7 +343,7 @@ def fp8_summary(fp16_path, fp8_paths) -> dict:
             if with_fi:
                 bars[f"{granularity} {b}: >= 1.0x FI fp8"] = (
                     f"{sum(c[b]['vs_fi'] >= 0.995 for c in with_fi)} of {len(with_fi)}")
-        runs.append({"file": path, "granularity": granularity, "backends": ours,
+        runs.append({"file": path, "fi_file": fi_file, "granularity": granularity, "backends": ours,
                      "environment": data["environment"], "cells": cells})
     return {"fp16_file": fp16_path, "bars": bars, "runs": runs}
 
@@ -487,6 +496,8 @@ def main():
                         "--window-left / --soft-cap / --sinks, and a plain run of each shape")
     parser.add_argument("--fp8", nargs="+", metavar="GRID", help="the fp16 grid, then grid JSON "
                         "files of `bench --grid --kv-fp8 tensor|token`")
+    parser.add_argument("--fp8-fi", nargs="+", metavar="GRID",
+                        help="with --fp8: FlashInfer's fp8 grids, run apart (HND) from ours")
     parser.add_argument("--ab-a", nargs="+", metavar="GRID", help="tree A's grid runs")
     parser.add_argument("--ab-b", nargs="+", metavar="GRID", help="tree B's grid runs")
     parser.add_argument("--ab-backend", default="pkv-auto")
@@ -519,7 +530,7 @@ def main():
     if args.fp8:
         if len(args.fp8) < 2:
             raise SystemExit("--fp8 takes the fp16 grid and at least one fp8 grid")
-        summary = fp8_summary(args.fp8[0], args.fp8[1:])
+        summary = fp8_summary(args.fp8[0], args.fp8[1:], args.fp8_fi or ())
         print(fp8_table(summary))
         if args.json:
             _write_json(args.json, summary)
