@@ -32,8 +32,8 @@
 # benchorder: llama3-70b-tp8's small cells with our graphs alone and replayed after XQA's (v22: the
 # probe's step 1-7% under the matrix's); graphdump: the variant-cost probe's graphs as DOT files
 # (v22: our first two graphs of a process run slow); gemma2window: gemma2-9b's windowed large
-# steps, 64-token tiles at two stages and the fixed schedules beside the rule (v22: 0.90-0.98x); e2e: transformers end to end, each run "model
-# requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
+# steps, 64-token tiles at two stages and the fixed schedules beside the rule (v22: 0.90-0.98x);
+# e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
 set -uo pipefail
@@ -214,7 +214,8 @@ for step in $steps; do
     gemma2window) mkdir -p "$out/gemma2window"   # gemma2-9b's windowed large steps
                timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
                  --window-left 4096 --soft-cap 50 --cells "B128 L8K,B128 L32K,B32 L32K,B8 L4K" \
-                 --backends pkv-auto,pkv-auto:blockn64:stages2,pkv-balanced,pkv-split,fi-cuda-core,fi-tensor-core \
+                 --backends "pkv-auto,pkv-auto:blockn64:stages2,pkv-balanced,pkv-split,$(
+                             )fi-cuda-core,fi-tensor-core" \
                  --out "$out/gemma2window" --tag gemma2window > "$out/gemma2window/log.txt" 2>&1
                tail -1 "$out/gemma2window/log.txt" ;;
     e2e)       mkdir -p "$out/e2e"

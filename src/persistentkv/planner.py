@@ -272,8 +272,9 @@ class Planner:
         dense = None if choice is not None else policy.dense_codes(page_size=options.page_size)
         codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
-        fixed_tail = (choice.code() if dense is None else 0, target, chunks,   # (_bind adds the
-                      cfg.balanced_from_tokens,                                # smallest split)
+        # the smallest split depends on the tile's query rows too: _bind puts it after `chunks`
+        fixed_tail = (choice.code() if dense is None else 0, target, chunks,
+                      cfg.balanced_from_tokens,
                       whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
                       WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
         return codes, target, chunks, (edges, table, fixed_tail, dense is not None)

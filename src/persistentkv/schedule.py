@@ -11,9 +11,10 @@ programs_per_sm x SMs programs runs them: one item each, then the rest of its ch
 or, past one round, the items it claims (kernels/decode.py).
 
 The split rule: the step's tokens shared out as about config.waves x SMs tasks, each at least
-min_split_tokens(config, ...) (config.min_split_tokens, more for tiles of many query rows). When rows x KV heads already fill the SMs and no row is longer than
-WHOLE_ROW_SLACK x that balanced split, whole rows (splitting would only add partial writes and
-merges); a long row in a large batch is still cut. With config.one_round the split grows (by at
+min_split_tokens (config.min_split_tokens, more for tiles of many query rows). When rows x KV
+heads already fill the SMs and no row is longer than WHOLE_ROW_SLACK x that balanced split, whole
+rows (splitting would only add partial writes and merges); a long row in a large batch is still
+cut. With config.one_round the split grows (by at
 most ONE_ROUND_SLACK, in at most ONE_ROUND_STEPS steps) until the tasks fit in the target: each
 row's last, partial split would otherwise overflow it (B4 x 128K: 8 splits of 16K per row, 32
 tasks per KV head, rather than 9 of 15.9K, 36 tasks, and a second round for 3 of them). Last, the
@@ -92,7 +93,7 @@ class Choice:
 
 def min_split_tokens(config: KernelConfig, *, tile_rows: int) -> int:
     """The smallest split of a task whose tile holds tile_rows rows (query tokens x group):
-    config.min_split_tokens up to MIN_SPLIT_TILE_ROWS rows, times tile_rows / MIN_SPLIT_TILE_ROWS
+    config.min_split_tokens up to MIN_SPLIT_TILE_ROWS rows, times tile_rows // MIN_SPLIT_TILE_ROWS
     past them. A task's partial is tile_rows x head_dim fp32 to write, read and merge; at 16
     queries a row x group 4 (64 rows), splits of at least 256 tokens measured 8-14% faster on
     B1 L1K, B4 L1K and B4 zipf than 128, and the same (within 0.3%) on the other cells; at 16

@@ -71,16 +71,16 @@ class KernelConfig:
 def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     """The default for a shape: K/V tiles of about 4096 elements (block_n x head_dim) at three
     stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
-    stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads (gpt-oss
-    64/8: geomean 1.024 -> 1.044x FlashInfer), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10%
-    on its small, latency-bound cells, 1.093 -> 1.065x; v22: four stages there took its large
-    steps by 2.2-2.4% and cost its mixed batches 1-6%, geomean 1.074 -> 1.065x, not kept). Head
-    dim 512 at block_n 16: compiled for
-    sm_90a, block_n 32 spills (255 registers, 32 B of stack) and needs 145 KB of shared memory at three
-    stages; 16 keeps 222 registers, no spill, 81 KB (scripts/compile_check.py; timed in v10:
-    0.93-0.98x FlashInfer where bandwidth-bound). An fp8 cache at head dim 128 reads tiles of 128
-    tokens, the fp16 tile's bytes (v11: 1.12x geomean over the fp16 tile per tensor, 1.38x per
-    token; per tensor 1-13% slower on the cells of under 40 MB of fp16 KV)."""
+    stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads
+    (gpt-oss 64/8: geomean 1.024 -> 1.044x FlashInfer), at 64 with fewer (gpt-oss-tp8 8/1: 128
+    cost 3-10% on its small, latency-bound cells, 1.093 -> 1.065x; v22: four stages there took
+    its large steps by 2.2-2.4% and cost its mixed batches 1-6%, geomean 1.074 -> 1.065x, not
+    kept). Head dim 512 at block_n 16: compiled for sm_90a, block_n 32 spills (255 registers, 32
+    B of stack) and needs 145 KB of shared memory at three stages; 16 keeps 222 registers, no
+    spill, 81 KB (scripts/compile_check.py; timed in v10: 0.93-0.98x FlashInfer where
+    bandwidth-bound). An fp8 cache at head dim 128 reads tiles of 128 tokens, the fp16 tile's
+    bytes (v11: 1.12x geomean over the fp16 tile per tensor, 1.38x per token; per tensor 1-13%
+    slower on the cells of under 40 MB of fp16 KV)."""
     if head_dim > 256:
         return KernelConfig(block_n=16)
     if head_dim > 128:
