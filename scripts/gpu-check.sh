@@ -214,7 +214,7 @@ for step in $steps; do
     gemma2window) mkdir -p "$out/gemma2window"   # gemma2-9b's windowed large steps
                timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
                  --window-left 4096 --soft-cap 50 --cells "B128 L8K,B128 L32K,B32 L32K,B8 L4K" \
-                 --backends "pkv-auto,pkv-auto:blockn64:stages2,pkv-balanced,pkv-split,$(
+                 --backends "pkv-auto,pkv-auto:blockn64:stages2,pkv-balanced,pkv-split,pkv-grouped,$(
                              )fi-cuda-core,fi-tensor-core" \
                  --out "$out/gemma2window" --tag gemma2window > "$out/gemma2window/log.txt" 2>&1
                tail -1 "$out/gemma2window/log.txt" ;;
