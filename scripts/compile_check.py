@@ -32,7 +32,6 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    block_n=cfg.tile_tokens(kv_fp8="kv_fp8" in variants),
                                    return_lse=False, upcast=False, max_queries=max_queries,
-                                   e4m3_parts=cfg.e4m3_parts,
                                    **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}
@@ -101,8 +100,7 @@ def before_wait(cubin: bytes) -> str:
 def sass_counts(cubin: bytes) -> str:
     """Instruction counts from the cubin's SASS: all, shared-memory loads (LDS, and LDSM =
     ldmatrix) and stores (STS), global loads into registers (LDG), byte permutes (PRMT) and
-    16-byte asynchronous copies (LDGSTS.128), the MMAs (HMMA: mma.sync; HGMMA, and fp8's QGMMA:
-    wgmma) and the fp8 conversions (F2FP)."""
+    16-byte asynchronous copies (LDGSTS.128)."""
     ops = _sass_ops(cubin)
 
     def count(prefix):
@@ -110,8 +108,7 @@ def sass_counts(cubin: bytes) -> str:
     ldgsts = sum(1 for op in ops if op.startswith("LDGSTS") and op.endswith(".128"))
     return (f"{len(ops)} instructions, {count('LDS')} LDS, {count('LDSM')} LDSM, "
             f"{count('STS')} STS, {count('LDG')} LDG, {count('PRMT')} PRMT, "
-            f"{ldgsts} LDGSTS.128, {count('HMMA')} HMMA, {count('HGMMA') + count('QGMMA')} wgmma, "
-            f"{count('F2FP')} F2FP")
+            f"{ldgsts} LDGSTS.128")
 
 
 def main():

@@ -29,10 +29,6 @@ class KernelConfig:
     under the interpreter and on older GPUs): the kernel is launched so that it may start while the
     kernel before it on the stream finishes, and waits for that kernel's writes (griddepcontrol.wait)
     before its first load; off by default, measured by `persistentkv layer-chain`.
-    e4m3_parts: an e4m3 cache in the HND_VT layout runs its products on e4m3 operands, q and
-    the probabilities split into this many e4m3 parts (1-3; kernels/e4m3.py: 3 keeps the
-    output about 2e-5 from the reference on the cache's values, 2 about 8e-4, 1 about 3.5e-2),
-    or converts K/V to q's dtype (0; every other cache always does).
     """
 
     block_n: int = 64
@@ -45,7 +41,6 @@ class KernelConfig:
     balanced_from_tokens: int = 16384
     one_round: bool = True
     pdl: bool = False
-    e4m3_parts: int = 3
 
     def tile_tokens(self, *, kv_fp8: bool) -> int:
         """Tokens per K/V tile for a cache of this kind."""
@@ -68,9 +63,6 @@ class KernelConfig:
         for name in ("one_round", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if isinstance(self.e4m3_parts, bool) or self.e4m3_parts not in (0, 1, 2, 3):
-            raise ValueError(f"KernelConfig.e4m3_parts must be 0, 1, 2 or 3, got "
-                             f"{self.e4m3_parts!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 

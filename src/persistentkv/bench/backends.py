@@ -391,8 +391,7 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "oneround": ("one_round", {"0": False, "1": True}.__getitem__),
                    "minsplit": ("min_split_tokens", int), "blockn": ("block_n", int),
                    "fp8blockn": ("fp8_block_n", int), "balfrom": ("balanced_from_tokens", int),
-                   "pdl": ("pdl", {"0": False, "1": True}.__getitem__),
-                   "e4m3parts": ("e4m3_parts", int)}
+                   "pdl": ("pdl", {"0": False, "1": True}.__getitem__)}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -441,8 +440,7 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     ':wavesX' (target tasks per SM), ':oneround0|1', ':minsplitT' (smallest split, tokens),
     ':blocknN' (tokens per K/V tile), ':fp8blocknN' (an fp8 cache's), ':balfromT' (the default
     rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic
-    dependent launch), ':e4m3partsP' (an HND_VT e4m3 cache's products: P e4m3 parts, 0 converts
-    K/V), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3', 'pkv-auto:pdl1'.
+    dependent launch), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3', 'pkv-auto:pdl1'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from ..runtime import interpreting, next_power_of_2
-from .e4m3 import E4M3_MAX, dot_parts, split_e4m3
 from .merge import merge_partials
 from .softmax import online_softmax_step
 
@@ -137,85 +136,6 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
 
 
 @triton.jit
-def _attend_range_e4m3(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_lo, tok_hi,
-                       limit, lower, stride_page, stride_tok, offs_d, d_mask, scale_log2,
-                       soft_cap, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                       WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                       SCALE_KV: tl.constexpr, PARTS: tl.constexpr):
-    """_attend_range's state over an e4m3 cache in HND_VT, the products on e4m3 operands
-    (kernels/e4m3.py): scores^T = K . q^T and acc^T += V^T . P^T, q and P each in PARTS e4m3
-    parts. q's rows are scaled to e4m3's range first (amax -> 448, the scale back into the
-    scores); P (at most 1) by 448, or per token (TOKEN_SCALES) by its V scales over the tile's
-    largest, that scale back into the tile's product. Same arguments and result as
-    _attend_range (tok_lo a whole page, PAGE_SIZE a power of two)."""
-    q = q.to(tl.float32)
-    amax = tl.max(tl.abs(q), axis=1)
-    q_scale = tl.where(amax > 0, amax / E4M3_MAX, 1.0)                                  # [G]
-    q0, q1, q2 = split_e4m3(q / q_scale[:, None])
-    q0, q1, q2 = tl.trans(q0), tl.trans(q1), tl.trans(q2)                          # [D, G] each
-    if SOFT_CAP:
-        q_scale = q_scale * (scale_log2 / (LOG2_E * soft_cap))
-    else:
-        q_scale = q_scale * scale_log2
-    acc = tl.zeros([D_PAD, G_PAD], dtype=tl.float32)                               # acc^T
-    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    tok_lo = tl.multiple_of(tok_lo, PAGE_SIZE)
-    pages, in_pages = _whole_pages(tok_lo, offs_n, tok_hi, PAGE_SIZE)
-    page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)   # a tile ahead
-    for start in tl.range(tok_lo, tok_hi, BLOCK_N):
-        start = tl.multiple_of(start, PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N)
-        tok = start + offs_n
-        valid = tok < tok_hi
-        offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
-        if TOKEN_SCALES:
-            s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE                    # [N]
-        if BLOCK_N >= PAGE_SIZE:          # the tile is whole pages
-            slot = offs_n % PAGE_SIZE
-        else:                             # the tile lies BLOCK_N-aligned inside one page
-            slot = tl.multiple_of(start % PAGE_SIZE, BLOCK_N) + offs_n
-        v_offs = page.to(tl.int64) * stride_page + slot.to(tl.int64)                       # [N]
-        v_rows = _whole_pages(start, offs_n, tok_hi, PAGE_SIZE)[1]
-        pages, in_pages = _whole_pages(start + BLOCK_N, offs_n, tok_hi, PAGE_SIZE)
-        page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
-        k = tl.load(k_base + offs[:, None] + offs_d[None, :],
-                    mask=valid[:, None] & d_mask[None, :], other=0.0)                    # [N, D]
-        v = tl.load(v_base + v_offs[None, :] + offs_d[:, None] * PAGE_SIZE,             # V^T [D, N]
-                    mask=v_rows[None, :] & d_mask[:, None], other=0.0)  # (whole pages: finite)
-        scores = dot_parts(k, q0, q1, q2, PARTS)                                          # [N, G]
-        if TOKEN_SCALES:
-            k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)                       # [N]
-            v_sc = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)            # [N]
-            scores = scores * k_sc[:, None]
-        scores = scores * q_scale[None, :]
-        if SOFT_CAP:
-            scores = (soft_cap * LOG2_E) * _tanh(scores)
-        if CAUSAL:
-            scores = tl.where(tok[:, None] <= limit[None, :], scores, -1e30)
-        if WINDOW:
-            scores = tl.where(tok[:, None] >= lower[None, :], scores, -1e30)
-        scores = tl.where(valid[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(scores - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        if TOKEN_SCALES:   # P's rows times their V scales, the tile's largest to 448
-            v_max = tl.max(v_sc, axis=0)
-            v_max = tl.where(v_max > 0, v_max, 1.0)
-            p = p * (v_sc * (E4M3_MAX / v_max))[:, None]
-            back = v_max / E4M3_MAX
-        else:
-            p = p * E4M3_MAX
-            back = 1.0 / E4M3_MAX
-        p0, p1, p2 = split_e4m3(p)
-        acc = acc * alpha[None, :] + dot_parts(v, p0, p1, p2, PARTS) * back
-        m_i = m_new
-    return tl.trans(acc), m_i, l_i
-
-
-@triton.jit
 def _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
                  g_mask, NUM_QO_HEADS: tl.constexpr, RETURN_LSE: tl.constexpr):
     """Tile row r -> out[q_rows[r], heads[r]] (and lse)."""
@@ -239,7 +159,7 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                 TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr, E4M3_PARTS: tl.constexpr):
+                 TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row.
 
     Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
@@ -263,22 +183,12 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
     if KV_FP8:                              # a per-tensor K scale folds into the score scale
         scale_log2 = scale_log2 * k_scale
-    if E4M3_PARTS > 0:                      # HND_VT's e4m3 cache: products on e4m3 operands
-        acc, m_i, l_i = _attend_range_e4m3(q, k_ptr + head_off, v_ptr + stride_kv + head_off,
-                                           kv_scales_ptr + kv_head * PAGE_SIZE, indices_ptr,
-                                           page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
-                                           stride_page, stride_tok, offs_d, d_mask, scale_log2,
-                                           soft_cap, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1,
-                                           WINDOW, SOFT_CAP, TOKEN_SCALES,
-                                           NUM_KV_HEADS * PAGE_SIZE, E4M3_PARTS)
-    else:
-        acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off,
-                                      kv_scales_ptr + kv_head * PAGE_SIZE, indices_ptr,
-                                      page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
-                                      stride_page, stride_tok, offs_d, d_mask, scale_log2,
-                                      soft_cap, G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1,
-                                      WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
-                                      NUM_KV_HEADS * PAGE_SIZE, V_T)
+    acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off,
+                                  kv_scales_ptr + kv_head * PAGE_SIZE, indices_ptr,
+                                  page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
+                                  stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
+                                  G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1, WINDOW, SOFT_CAP,
+                                  UPCAST, KV_FP8, TOKEN_SCALES, NUM_KV_HEADS * PAGE_SIZE, V_T)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:                              # and a per-tensor V scale into the output
@@ -447,8 +357,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
-                        E4M3_PARTS: tl.constexpr):
+                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -493,7 +402,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, E4M3_PARTS)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
@@ -505,8 +414,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                              num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
                              G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
-                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T,
-                             E4M3_PARTS)
+                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
@@ -518,7 +426,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, E4M3_PARTS)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
@@ -530,21 +438,18 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
                       soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
                       token_scales: bool = False, pdl: bool = False,
-                      v_transposed: bool = False, e4m3_parts: int = 0) -> dict:
+                      v_transposed: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
     kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head; pdl: the kernel
     waits for the previous kernel's writes (launched with launch_pdl=True; compute capability
     9.0+, never under the interpreter: launch.use_pdl decides); v_transposed: the HND_VT layout's
-    V blocks; e4m3_parts (KernelConfig.e4m3_parts): an e4m3 cache in HND_VT runs its products on
-    e4m3 operands, q and P in that many parts (kernels/e4m3.py; 0, and any other cache: K/V
-    converted to q's dtype)."""
+    V blocks."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
                 G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
-                TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed,
-                E4M3_PARTS=e4m3_parts if kv_fp8 and v_transposed else 0)
+                TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed)
