@@ -100,7 +100,8 @@ def before_wait(cubin: bytes) -> str:
 def sass_counts(cubin: bytes) -> str:
     """Instruction counts from the cubin's SASS: all, shared-memory loads (LDS, and LDSM =
     ldmatrix) and stores (STS), global loads into registers (LDG), byte permutes (PRMT) and
-    16-byte asynchronous copies (LDGSTS.128)."""
+    16-byte asynchronous copies (LDGSTS.128), the MMAs (HMMA: mma.sync; HGMMA, and fp8's QGMMA:
+    wgmma) and the fp8 conversions (F2FP)."""
     ops = _sass_ops(cubin)
 
     def count(prefix):
@@ -108,7 +109,8 @@ def sass_counts(cubin: bytes) -> str:
     ldgsts = sum(1 for op in ops if op.startswith("LDGSTS") and op.endswith(".128"))
     return (f"{len(ops)} instructions, {count('LDS')} LDS, {count('LDSM')} LDSM, "
             f"{count('STS')} STS, {count('LDG')} LDG, {count('PRMT')} PRMT, "
-            f"{ldgsts} LDGSTS.128")
+            f"{ldgsts} LDGSTS.128, {count('HMMA')} HMMA, {count('HGMMA') + count('QGMMA')} wgmma, "
+            f"{count('F2FP')} F2FP")
 
 
 def main():
