@@ -7,6 +7,7 @@ PRMT, 16-byte cp.async LDGSTS.128).
 Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90]
 """
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -55,6 +56,8 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if "pdl" in variants:   # as launch.py launches it: the option lands in the kernel's metadata
         options["launch_pdl"] = True
+    if cfg.max_registers is not None:   # as launch.py launches it
+        options["maxnreg"] = cfg.max_registers
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -123,14 +126,20 @@ def main():
                         help="comma-separated kernel variants to compile in: window, soft_cap, "
                              "sinks, kv_fp8 (an e4m3 cache), token_scales (with kv_fp8), pdl "
                              "(programmatic dependent launch: griddepcontrol.wait first)")
+    parser.add_argument("--max-registers", type=int, default=None,
+                        help="KernelConfig.max_registers (Triton's maxnreg) of the default config")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
     if args.queries:
         shapes = tuple((4, 128, n) for n in (2, 4, 8, 16))
     for group, head_dim, queries in shapes:
-        k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, max_queries=queries,
-                           variants=variants)
+        config = None
+        if args.max_registers is not None:
+            config = dataclasses.replace(default_config(head_dim=head_dim, num_kv_heads=8),
+                                         max_registers=args.max_registers)
+        k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, config=config,
+                           max_queries=queries, variants=variants)
         ptx = k.asm["ptx"]
         waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)]
         print(f"group {group:2d} d {head_dim:3d} queries {queries:2d} {'+'.join(variants)}: "

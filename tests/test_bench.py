@@ -9,7 +9,8 @@ import torch
 
 from paged_case import ON_GPU
 from persistentkv.bench.adaptive import calibration_steps, evaluation_table
-from persistentkv.bench.backends import Backend, PersistentKV, PaddedSDPA, PerSequence, make_backends
+from persistentkv.bench.backends import (Backend, PersistentKV, PaddedSDPA, PerSequence, _pkv_variant,
+                                         make_backends)
 from persistentkv.bench.results import summarize
 from persistentkv.bench.runner import Measured, ModelShape, RunOptions, run_static, run_trace
 from persistentkv.bench.traces import make_trace
@@ -250,6 +251,13 @@ def test_config_variants_are_checked_like_the_defaults():
         with pytest.raises(ValueError, match=re.escape(
                 f"KernelConfig.balanced_from_tokens must be an int >= 0, got {bad!r}")):
             KernelConfig(balanced_from_tokens=bad)
+    assert _pkv_variant("pkv-auto:pps3:maxreg168") == (
+        "auto", None, {"programs_per_sm": 3, "max_registers": 168})
+    for bad in (0, 100, 256, True, 168.0):
+        with pytest.raises(ValueError, match=re.escape(
+                f"KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], "
+                f"got {bad!r}")):
+            KernelConfig(max_registers=bad)
 
 
 def test_static_batch_with_several_query_tokens_per_row():

@@ -56,3 +56,13 @@ def test_v_transposed_reads_v_like_k():
     (n_hnd, lds_hnd, _), (n_vt, lds_vt, ldsm_vt) = (
         map(int, counts.search(line).groups()) for line in (hnd, vt))
     assert lds_vt <= 0.65 * lds_hnd and n_vt <= 0.75 * n_hnd and ldsm_vt > 0, (hnd, vt)
+
+
+def test_max_registers_reaches_the_compiler():
+    """KernelConfig.max_registers caps the kernel's registers: the e4m3 HND_VT kernel takes more
+    than 168 by itself and exactly 168 or fewer under the cap (three 128-thread programs an SM)."""
+    regs = re.compile(r"(\d+) registers")
+    free = _compile_check("--variants", "kv_fp8,v_transposed")[0]
+    capped = _compile_check("--variants", "kv_fp8,v_transposed", "--max-registers", "168")[0]
+    assert int(regs.search(free).group(1)) > 168, free
+    assert int(regs.search(capped).group(1)) <= 168, capped

@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
 
-    from .bench.backends import ALL_BACKENDS   # (no triton here: see choose_device)
+    from .bench.backends import ALL_BACKENDS, CONFIG_SUFFIXES   # (no triton here: see choose_device)
 
     bench = sub.add_parser("bench", help="trace-replay benchmark against FlashInfer and baselines "
                                          "(GPU; on the CPU a tiny functional run)")
@@ -249,9 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "output_len[, arrival_step])")
     bench.add_argument("--batch-slots", type=int, default=8, help="slots for --trace-file")
     bench.add_argument("--backends", default=",".join(ALL_BACKENDS),
-                       help="comma-separated; ours take KernelConfig suffixes :warpsW, :stagesS, "
-                            ":ppsP, :wavesX, :oneround0|1, :minsplitT, :blocknN, :fp8blocknN, "
-                            ":pdl0|1, e.g. pkv-auto:pdl1")
+                       help="comma-separated; ours take KernelConfig suffixes :<key><value>, key one "
+                            f"of {', '.join(CONFIG_SUFFIXES)}, e.g. pkv-auto:pdl1:maxreg168")
     bench.add_argument("--layers", type=int, default=32, help="layers, each with its own pool")
     bench.add_argument("--samples", type=int, default=16, help="measured steps per trace")
     bench.add_argument("--memory-gb", type=float, default=60.0, help="budget for all layers' pools")

@@ -44,14 +44,14 @@ class Launcher:
 
     def bind(self, *, grid: tuple[int, ...], key: tuple, fixed: tuple, constexprs: dict,
              num_warps: int, num_stages: int, device_index: int,
-             launch_pdl: bool = False) -> BoundLaunch:
+             launch_pdl: bool = False, max_registers: int | None = None) -> BoundLaunch:
         """A launch whose arguments after the leading tensors are `fixed` (tensors and scalars, in
         signature order), followed by `constexprs`. launch_pdl: Triton's launch option for
         programmatic dependent launch (the compiled kernel keeps it in its metadata, which the
-        direct call reads)."""
+        direct call reads); max_registers: Triton's maxnreg (None: the compiler's choice)."""
         return BoundLaunch(self, grid=grid, key=key, fixed=fixed, constexprs=constexprs,
                            num_warps=num_warps, num_stages=num_stages, device_index=device_index,
-                           launch_pdl=launch_pdl)
+                           launch_pdl=launch_pdl, max_registers=max_registers)
 
 
 class BoundLaunch:
@@ -60,11 +60,13 @@ class BoundLaunch:
     data_ptr()s. The fixed tensors must outlive it (the caller holds them)."""
 
     def __init__(self, launcher: Launcher, *, grid, key, fixed, constexprs, num_warps, num_stages,
-                 device_index, launch_pdl: bool = False):
+                 device_index, launch_pdl: bool = False, max_registers: int | None = None):
         self.launcher, self.key, self.fixed, self.constexprs = launcher, key, fixed, constexprs
         self.options = dict(num_warps=num_warps, num_stages=num_stages)
         if launch_pdl:   # only when on: Triton's default otherwise
             self.options["launch_pdl"] = True
+        if max_registers is not None and not interpreting():   # a compile option
+            self.options["maxnreg"] = max_registers
         self.grid, self.device_index = grid, device_index
         self.interpreted = interpreting()
         self.trailing = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in fixed),
@@ -247,7 +249,8 @@ class DecodeLauncher:
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
         cfg = plan.config
-        key = (tuple(constexprs.values()), cfg.num_warps, cfg.num_stages, q.dtype, strides,
+        key = (tuple(constexprs.values()), cfg.num_warps, cfg.num_stages, cfg.max_registers,
+               q.dtype, strides,
                q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
                None if sinks is None else sinks.data_ptr() % 16,
@@ -255,7 +258,8 @@ class DecodeLauncher:
         return self._launcher.bind(grid=(plan.programs,), key=key, fixed=fixed,
                                    constexprs=constexprs, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, device_index=q.device.index,
-                                   launch_pdl=constexprs["PDL"])
+                                   launch_pdl=constexprs["PDL"],
+                                   max_registers=cfg.max_registers)
 
 
 LOG2_E = 1.4426950408889634

@@ -272,20 +272,21 @@ class Planner:
         dense = None if choice is not None else policy.dense_codes(page_size=options.page_size)
         codes = sorted({choice.code()} if dense is None else set(dense))
         edges, table = self._device_table(device, dense)
-        # the smallest split depends on the tile's query rows too: _bind puts it after `chunks`
-        fixed_tail = (choice.code() if dense is None else 0, target, chunks,
-                      cfg.balanced_from_tokens,
-                      whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
-                      WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
-        return codes, target, chunks, (edges, table, fixed_tail, dense is not None)
+        # the kernel's scalars before and after the smallest split, which depends on the tile's
+        # query rows too (_bind puts it between them)
+        before_split = (choice.code() if dense is None else 0, target, chunks)
+        after_split = (cfg.balanced_from_tokens,
+                       whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
+                       WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
+        return codes, target, chunks, (edges, table, before_split, after_split, dense is not None)
 
     def _bind(self, options: PlanOptions, table: PageTableArgs, ws: Workspace, fixed_tail: tuple,
               block_rows: int, align: tuple, q_pad: int) -> BoundLaunch:
         """The planner's launch with everything but the page table and its sizes bound. q_pad:
         the tile's query tokens per row (a window keeps window_left + q_pad positions a row)."""
-        edges, dense, tail, use_policy = fixed_tail
+        edges, dense, before_split, after_split, use_policy = fixed_tail
         group = options.num_qo_heads // options.num_kv_heads
-        tail = (*tail[:3], min_split_tokens(options.config, tile_rows=q_pad * group), *tail[3:])
+        smallest_split = min_split_tokens(options.config, tile_rows=q_pad * group)
         window_tokens = -1 if options.window_left < 0 else options.window_left + q_pad
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
@@ -294,7 +295,8 @@ class Planner:
         key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,
                                    fixed=(edges, dense, ws.tasks, ws.info, ws.row_lens, ws.capacity,
-                                          *tail, window_tokens),
+                                          *before_split, smallest_split, *after_split,
+                                          window_tokens),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
                                    device_index=table.device.index)
 

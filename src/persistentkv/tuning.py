@@ -29,6 +29,8 @@ class KernelConfig:
     under the interpreter and on older GPUs): the kernel is launched so that it may start while the
     kernel before it on the stream finishes, and waits for that kernel's writes (griddepcontrol.wait)
     before its first load; off by default, measured by `persistentkv layer-chain`.
+    max_registers: Triton's `maxnreg`, a cap on the registers of a thread (None: the compiler's
+    choice), so that more programs fit an SM's 64K registers (128 threads each: 168 for three).
     """
 
     block_n: int = 64
@@ -41,6 +43,7 @@ class KernelConfig:
     balanced_from_tokens: int = 16384
     one_round: bool = True
     pdl: bool = False
+    max_registers: int | None = None
 
     def tile_tokens(self, *, kv_fp8: bool) -> int:
         """Tokens per K/V tile for a cache of this kind."""
@@ -63,6 +66,11 @@ class KernelConfig:
         for name in ("one_round", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        value = self.max_registers
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 24 <= value <= 255 or value % 8):
+            raise ValueError(f"KernelConfig.max_registers must be None or a multiple of 8 in "
+                             f"[24, 255], got {value!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
 

@@ -391,7 +391,8 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "oneround": ("one_round", {"0": False, "1": True}.__getitem__),
                    "minsplit": ("min_split_tokens", int), "blockn": ("block_n", int),
                    "fp8blockn": ("fp8_block_n", int), "balfrom": ("balanced_from_tokens", int),
-                   "pdl": ("pdl", {"0": False, "1": True}.__getitem__)}
+                   "pdl": ("pdl", {"0": False, "1": True}.__getitem__),
+                   "maxreg": ("max_registers", int)}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -439,8 +440,8 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     launch configuration of ours: ':warpsW', ':stagesS', ':ppsP' (persistent programs per SM),
     ':wavesX' (target tasks per SM), ':oneround0|1', ':minsplitT' (smallest split, tokens),
     ':blocknN' (tokens per K/V tile), ':fp8blocknN' (an fp8 cache's), ':balfromT' (the default
-    rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic
-    dependent launch), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3', 'pkv-auto:pdl1'.
+    rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
+    (registers a thread), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3', 'pkv-auto:pdl1'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]
