@@ -60,7 +60,7 @@ def test_v_transposed_reads_v_like_k():
 
 def test_max_registers_reaches_the_compiler():
     """KernelConfig.max_registers caps the kernel's registers: the e4m3 HND_VT kernel takes more
-    than 168 by itself and exactly 168 or fewer under the cap (three 128-thread programs an SM)."""
+    than 168 by itself and 168 or fewer under the cap (three 128-thread programs an SM)."""
     regs = re.compile(r"(\d+) registers")
     free = _compile_check("--variants", "kv_fp8,v_transposed")[0]
     capped = _compile_check("--variants", "kv_fp8,v_transposed", "--max-registers", "168")[0]
