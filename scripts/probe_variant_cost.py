@@ -26,6 +26,7 @@ Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-tw
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -86,7 +87,8 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
             w.plan(**plan_kw)
             for i, q in enumerate(qs):
                 w.run(q, cache.pools[i], out=outs[i], **run_kw)
-        dump = dump_dir and os.path.join(dump_dir, f"graph{n}-{name.replace(' ', '_')}.dot")
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")     # 'plain, last capture'
+        dump = dump_dir and os.path.join(dump_dir, f"graph{n}-{slug}.dot")
         graphs.append(capture_graph(body, dump_to=dump))
     runs = [[us / len(qs) for us in replay_medians(graphs, reps=30)] for _ in range(2)]
     row = {}

@@ -150,7 +150,8 @@ def capture_graph(body, *, dump_to: str | None = None) -> torch.cuda.CUDAGraph:
     with torch.cuda.stream(stream):          # warm-up on the capture stream
         body()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    # a dump needs the captured cudaGraph_t, which torch frees at instantiation unless kept
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if dump_to else torch.cuda.CUDAGraph()
     if dump_to:
         graph.enable_debug_mode()
     with torch.cuda.graph(graph):
