@@ -7,7 +7,7 @@
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
-#                                        benchorder|graphdump|gemma2window|e2e ...]
+#                                        benchorder|graphdump|graphshare|gemma2window|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -31,7 +31,9 @@
 # splits of at least 256 or 512 tokens, or one task an SM (v21: the small steps' misses);
 # benchorder: llama3-70b-tp8's small cells with our graphs alone and replayed after XQA's (v22: the
 # probe's step 1-7% under the matrix's); graphdump: the variant-cost probe's graphs as DOT files
-# (v22: our first two graphs of a process run slow); gemma2window: gemma2-9b's windowed large
+# (v22: our first two graphs of a process run slow); graphshare: the same probe with every graph
+# of a cell through one DecodeWrapper (v25: the slow first graphs have the fast one's nodes);
+# gemma2window: gemma2-9b's windowed large
 # steps, 64-token tiles at two stages and the fixed schedules beside the rule (v22: 0.90-0.98x);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
@@ -211,6 +213,10 @@ for step in $steps; do
                  --dump-graphs "$out/graphdump" --json "$out/graphdump/graphdump.json" \
                  > "$out/graphdump/graphdump-log.txt" 2>&1
                cut -c1-300 "$out/graphdump/graphdump-log.txt" | tail -4 ;;
+    graphshare) mkdir -p "$out/graphshare"   # the first graphs again, all through one wrapper
+               timeout 150 python3 scripts/probe_variant_cost.py --last-again --one-wrapper \
+                 --json "$out/graphshare/graphshare.json" > "$out/graphshare/log.txt" 2>&1
+               cut -c1-300 "$out/graphshare/log.txt" | tail -4 ;;
     gemma2window) mkdir -p "$out/gemma2window"   # gemma2-9b's windowed large steps
                timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
                  --window-left 4096 --soft-cap 50 --cells "B128 L8K,B128 L32K,B32 L32K,B8 L4K" \

@@ -15,13 +15,16 @@ first cell's; --throwaway-torch captures two graphs of a plain torch copy (128 M
 ours) first, each timed, to tell whether any first graph of a process is slow and whether one
 of torch's takes the slowness away from ours;
 --dump-graphs DIR writes each graph of the first cell as a DOT file (its nodes and their launch
-parameters) to compare them. Issue 17's bar: each variant <= 1.03x the plain step on B8 L8K and
+parameters) to compare them (v25: the slow first graphs and the fast last one are the same
+nodes, kernels and launch shapes); --one-wrapper plans every graph of a cell through one
+DecodeWrapper, so that all graphs read and write one workspace, to tell whether the slowness
+follows the first wrappers' buffers. Issue 17's bar: each variant <= 1.03x the plain step on B8 L8K and
 B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
 Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-twice]
      [--last-again] [--compile-first] [--throwaway-first] [--throwaway-torch]
-     [--dump-graphs DIR] [--json out.json]
+     [--one-wrapper] [--dump-graphs DIR] [--json out.json]
 """
 import argparse
 import json
@@ -53,9 +56,12 @@ LAST = ", last capture"     # and of its extra, last one (--last-again)
 
 
 def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
-                  dump_dir: str | None = None, compile_first: bool = False) -> dict:
+                  dump_dir: str | None = None, compile_first: bool = False,
+                  one_wrapper: bool = False) -> dict:
     """order: labels, each a VARIANTS name, or one with FIRST or LAST after it (the same
-    variant). compile_first: every variant's plan() and run() once before any capture."""
+    variant). compile_first: every variant's plan() and run() once before any capture;
+    one_wrapper: every graph plans and runs through one DecodeWrapper (one workspace), not one
+    each."""
     graphs, errors, plans = [], {}, {}
     sinks = 2.0 * torch.randn(hq, device="cuda")
 
@@ -72,9 +78,10 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
             w.plan(**plan_kw)
             w.run(qs[0], cache.pools[0], **run_kw)
         torch.cuda.synchronize()
+    shared = DecodeWrapper("HND") if one_wrapper else None
     for n, name in enumerate(order):
         plan_kw, run_kw = keywords(VARIANTS[name.removesuffix(FIRST).removesuffix(LAST)])
-        w = DecodeWrapper("HND")
+        w = shared or DecodeWrapper("HND")
         outs = [torch.full_like(q, float("nan")) for q in qs]
         w.plan(**plan_kw)
         w.run(qs[0], cache.pools[0], out=outs[0], **run_kw)
@@ -143,6 +150,8 @@ def main():
                         help="capture two plain graphs of another cell before the first one")
     parser.add_argument("--throwaway-torch", action="store_true",
                         help="capture two graphs of a torch copy (no kernel of ours) first")
+    parser.add_argument("--one-wrapper", action="store_true",
+                        help="one DecodeWrapper (one workspace) for every graph of a cell")
     parser.add_argument("--dump-graphs", metavar="DIR",
                         help="write the first cell's graphs here as DOT files")
     args = parser.parse_args()
@@ -170,7 +179,7 @@ def main():
         for cell, lens in CELLS.items():
             cache, table, qs = build(lens, hq, hkv, d)
             row = variant_costs(cache, table, qs, hq, hkv, d, order=order, dump_dir=dump_dir,
-                                compile_first=args.compile_first)
+                                compile_first=args.compile_first, one_wrapper=args.one_wrapper)
             dump_dir = None                                   # the first cell's graphs only
             if shape == "32/8/128" and cell == "B8 L8K":
                 row["soft-cap 50 error by score spread"] = softcap_accuracy(cache, table, qs,
