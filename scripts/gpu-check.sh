@@ -33,8 +33,8 @@
 # probe's step 1-7% under the matrix's); graphdump: the variant-cost probe's graphs as DOT files
 # (v22: our first two graphs of a process run slow); graphshare: the same probe with every graph
 # of a cell through one DecodeWrapper (v25: the slow first graphs have the fast one's nodes);
-# gemma2window: gemma2-9b's windowed large
-# steps, 64-token tiles at two stages and the fixed schedules beside the rule (v22: 0.90-0.98x);
+# gemma2window: gemma2-9b's windowed large steps, 64-token tiles at two stages and the fixed
+# schedules beside the rule (v22: 0.90-0.98x);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).

@@ -18,8 +18,8 @@ of torch's takes the slowness away from ours;
 parameters) to compare them (v25: the slow first graphs and the fast last one are the same
 nodes, kernels and launch shapes); --one-wrapper plans every graph of a cell through one
 DecodeWrapper, so that all graphs read and write one workspace, to tell whether the slowness
-follows the first wrappers' buffers. Issue 17's bar: each variant <= 1.03x the plain step on B8 L8K and
-B1 L32K.
+follows the first wrappers' buffers. Issue 17's bar: each variant <= 1.03x the plain step on
+B8 L8K and B1 L32K.
 Accuracy: soft-cap 50 (Gemma-2's) with q scaled so that the scores' spread is sigma, relative
 error against the float64 reference; fp16's bound is 2e-3.
 Run: PYTHONPATH=src python scripts/probe_variant_cost.py [--reverse] [--first-twice]
