@@ -63,6 +63,10 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
     one_wrapper: every graph plans and runs through one DecodeWrapper (one workspace), not one
     each."""
     graphs, errors, plans = [], {}, {}
+    # what each graph reads and writes (its wrapper's workspace, its outputs): a CUDA graph holds
+    # none of it, and until v26 each graph's wrapper and outputs were freed after its capture,
+    # so that the graphs captured before the last replayed over memory reused by later ones
+    alive, refs = [], {}
     sinks = 2.0 * torch.randn(hq, device="cuda")
 
     def keywords(variant: dict) -> tuple[dict, dict]:
@@ -88,6 +92,7 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
         ref, _ = reference_decode(qs[0], cache.pools[0], layout="HND", **table,
                                   logits_soft_cap=plan_kw["logits_soft_cap"], **run_kw)
         errors[name] = relative_error(outs[0], ref)
+        refs[name] = ref
         plans[name] = {k: str(v) for k, v in w.current_plan.info().items()}
 
         def body(w=w, plan_kw=plan_kw, run_kw=run_kw, outs=outs):
@@ -97,13 +102,19 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
         slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")     # 'plain, last capture'
         dump = dump_dir and os.path.join(dump_dir, f"graph{n}-{slug}.dot")
         graphs.append(capture_graph(body, dump_to=dump))
+        alive.append((w, outs, body))
     runs = [[us / len(qs) for us in replay_medians(graphs, reps=30)] for _ in range(2)]
+    replayed = {}   # layer 0's output as the replays left it: each graph's own buffers held
+    for name, (w, outs, body) in zip(order, alive):
+        graphs[order.index(name)].replay()
+        torch.cuda.synchronize()
+        replayed[name] = relative_error(outs[0], refs[name])
     row = {}
     plain = order.index("plain")
     for i, name in enumerate(order):
         us = [run[i] for run in runs]
         row[name] = dict(us=us, x_plain=[u / run[plain] for u, run in zip(us, runs)],
-                         error=errors[name], plan=plans[name])
+                         error=errors[name], replay_error=replayed[name], plan=plans[name])
     return row
 
 

@@ -80,6 +80,19 @@ def test_merge_of_many_splits(form, hq, hkv, dim):
     check(case, wrapper, out, lse)
 
 
+def test_merge_of_many_splits_in_bf16():
+    """Partials are kept in the output's dtype: bf16 partials of 63 splits (two levels, the
+    groups' results rounded to bf16 again) stay within bf16's bound, and the lse within 1e-5."""
+    case = make_case(seq_lens=[1000, 37], num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                     page_size=16, dtype=torch.bfloat16)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                 page_size=16, backend="split", split_pages=1)
+    out = torch.full_like(case.q, float("nan"))
+    out, lse = wrapper.run(case.q, case.kv_cache, out=out, return_lse=True)
+    check(case, wrapper, out, lse)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_head_dim_256_group_16(backend):
     case = make_case(seq_lens=[70, 20], num_qo_heads=16, num_kv_heads=1, head_dim=256, page_size=16)

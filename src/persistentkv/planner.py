@@ -52,7 +52,8 @@ class PlanOptions:
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
     [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
-    partial outputs fp32 [capacity * Hq * D] and lse fp32 [capacity * Hq], merge counters int32
+    partial outputs [capacity * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
+    in the first half where it is 16-bit) and lse fp32 [capacity * Hq], merge counters int32
     [capacity * Hkv], by partial slot (zero between launches), and the page guard's copy of a
     trusted page table, int32 [entries] (guard.py), and the rows' lengths int32 [rows] (the
     planner's). `generation` counts the reallocations."""

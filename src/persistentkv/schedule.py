@@ -94,7 +94,8 @@ class Choice:
 def min_split_tokens(config: KernelConfig, *, tile_rows: int) -> int:
     """The smallest split of a task whose tile holds tile_rows rows (query tokens x group):
     config.min_split_tokens up to MIN_SPLIT_TILE_ROWS rows, times tile_rows // MIN_SPLIT_TILE_ROWS
-    past them. A task's partial is tile_rows x head_dim fp32 to write, read and merge; at 16
+    past them. A task's partial is tile_rows x head_dim values to write, read and merge (fp32
+    then; the output's dtype since v26, not re-measured for this rule); at 16
     queries a row x group 4 (64 rows), splits of at least 256 tokens measured 8-14% faster on
     B1 L1K, B4 L1K and B4 zipf than 128, and the same (within 0.3%) on the other cells; at 16
     and 32 rows 256 lost 3-11% on B1 L1K and B4 L1K (docs/perf-notes.md, v22)."""

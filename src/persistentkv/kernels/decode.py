@@ -271,10 +271,11 @@ def _arrive(counter_ptr, expected):
 @triton.jit
 def _store_partial(o, lse2, slot, part_rows, offs_d, mask, g_mask, part_o_ptr, part_lse_ptr,
                    SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Tile row r -> row part_rows[r] of partial slot `slot` (SLOT_ROWS rows per slot)."""
+    """Tile row r -> row part_rows[r] of partial slot `slot` (SLOT_ROWS rows per slot; o in
+    part_o_ptr's element type)."""
     slot = slot.to(tl.int64)
-    tl.store(part_o_ptr + (slot * SLOT_ROWS + part_rows[:, None]) * HEAD_DIM + offs_d[None, :], o,
-             mask=mask)
+    tl.store(part_o_ptr + (slot * SLOT_ROWS + part_rows[:, None]) * HEAD_DIM + offs_d[None, :],
+             o.to(part_o_ptr.dtype.element_ty), mask=mask)
     tl.store(part_lse_ptr + slot * SLOT_ROWS + part_rows, lse2, mask=g_mask)
     tl.debug_barrier()                      # every thread's stores precede the release
 
@@ -293,9 +294,13 @@ def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, 
     group's first slot, and the task completing the groups merges those. Counters (int32
     [slots, NUM_KV_HEADS], by slot): a group's at its first slot, the row's at the row's first
     slot, or its second one when it merges in two levels. A slot holds Q_PAD x Hq rows (query
-    token j, head h at j * Hq + h); the merge tile has G_MERGE >= Q_PAD x GROUP rows."""
+    token j, head h at j * Hq + h); the merge tile has G_MERGE >= Q_PAD x GROUP rows.
+    Partial outputs are kept in the output's dtype (fp16/bf16: half the bytes the merge reads;
+    in the first half of the fp32 workspace; v26 measured 5-13% off the small multi-token steps)
+    and merged in fp32; their lse in fp32."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     SLOT_ROWS: tl.constexpr = Q_PAD * NUM_QO_HEADS
+    part_o_ptr = part_o_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty))
     _store_partial(o, lse2, slot_start + split, part_rows, offs_d, mask, g_mask, part_o_ptr,
                    part_lse_ptr, SLOT_ROWS, HEAD_DIM)
     offs_m = tl.arange(0, G_MERGE)
