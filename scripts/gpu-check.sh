@@ -7,7 +7,8 @@
 #   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
-#                                        benchorder|graphdump|graphshare|gemma2window|e2e ...]
+#                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
+#                                        gemma2window|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in six parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -33,6 +34,9 @@
 # probe's step 1-7% under the matrix's); graphdump: the variant-cost probe's graphs as DOT files
 # (v22: our first two graphs of a process run slow); graphshare: the same probe with every graph
 # of a cell through one DecodeWrapper (v25: the slow first graphs have the fast one's nodes);
+# heldgraphs: the probe with each graph's wrapper and outputs held through the replays, its
+# outputs checked after them (v26: the slow first graphs replayed over freed buffers, by the
+# code); qgrids: q_len 4 and 8 over the whole grid against FlashInfer's prefill and XQA paths;
 # gemma2window: gemma2-9b's windowed large steps, 64-token tiles at two stages and the fixed
 # schedules beside the rule (v22: 0.90-0.98x);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
@@ -217,6 +221,16 @@ for step in $steps; do
                timeout 150 python3 scripts/probe_variant_cost.py --last-again --one-wrapper \
                  --json "$out/graphshare/graphshare.json" > "$out/graphshare/log.txt" 2>&1
                cut -c1-300 "$out/graphshare/log.txt" | tail -4 ;;
+    heldgraphs) mkdir -p "$out/heldgraphs"   # the first graphs, each graph's buffers held
+               timeout 150 python3 scripts/probe_variant_cost.py --last-again \
+                 --json "$out/heldgraphs/heldgraphs.json" > "$out/heldgraphs/log.txt" 2>&1
+               cut -c1-300 "$out/heldgraphs/log.txt" | tail -4 ;;
+    qgrids)    mkdir -p "$out/qgrids"   # several queries a row against FlashInfer's paths
+               for q in 4 8; do
+                 timeout 250 python3 -m persistentkv.cli bench --grid --q-len $q \
+                   --backends pkv-auto,fi-prefill,fi-xqa --out "$out/qgrids" --tag qlen-$q \
+                   > "$out/qgrids/qlen-$q-log.txt" 2>&1 || status=1
+               done ;;
     gemma2window) mkdir -p "$out/gemma2window"   # gemma2-9b's windowed large steps
                timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
                  --window-left 4096 --soft-cap 50 --cells "B128 L8K,B128 L32K,B32 L32K,B8 L4K" \
