@@ -104,9 +104,10 @@ def variant_costs(cache, table, qs, hq, hkv, d, *, order: list[str],
         graphs.append(capture_graph(body, dump_to=dump))
         alive.append((w, outs, body))
     runs = [[us / len(qs) for us in replay_medians(graphs, reps=30)] for _ in range(2)]
-    replayed = {}   # layer 0's output as the replays left it: each graph's own buffers held
-    for name, (w, outs, body) in zip(order, alive):
-        graphs[order.index(name)].replay()
+    replayed = {}   # layer 0's output after one more replay of each graph
+    for name, graph, (_, outs, _) in zip(order, graphs, alive):
+        outs[0].fill_(float("nan"))
+        graph.replay()
         torch.cuda.synchronize()
         replayed[name] = relative_error(outs[0], refs[name])
     row = {}

@@ -23,10 +23,9 @@ def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, row
     Partials: o [slots, SLOT_ROWS, HEAD_DIM] (normalized; in the output's dtype, part_o_ptr's
     element type), lse2 fp32 [slots, SLOT_ROWS] (base 2). One partial per step, the tile padded
     only to a power of two (G_MERGE), not to the 16 rows of tl.dot; the loop is unrolled
-    MERGE_UNROLL times (fewer past MERGE_IN_FLIGHT_BYTES), so
-    that that many partials' loads are in flight at once (a partial's loads do not depend on the
-    running state). The loads skip L1 (.cg): other programs wrote these partials during this
-    launch.
+    MERGE_UNROLL times (fewer past MERGE_IN_FLIGHT_BYTES), so that that many partials' loads are
+    in flight at once (a partial's loads do not depend on the running state). The loads skip L1
+    (.cg): other programs wrote these partials during this launch.
     Returns (o [G_MERGE, D_PAD], lse2 [G_MERGE]); rows not in row_mask are padding.
     """
     offs_d = tl.arange(0, D_PAD)
@@ -34,7 +33,8 @@ def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, row
     acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
     m = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
     total = tl.zeros([G_MERGE], dtype=tl.float32)
-    PARTIAL_BYTES: tl.constexpr = G_MERGE * D_PAD * part_o_ptr.dtype.element_ty.primitive_bitwidth // 8
+    ELEMENT_BYTES: tl.constexpr = part_o_ptr.dtype.element_ty.primitive_bitwidth // 8
+    PARTIAL_BYTES: tl.constexpr = G_MERGE * D_PAD * ELEMENT_BYTES
     UNROLL: tl.constexpr = (MERGE_UNROLL if PARTIAL_BYTES * MERGE_UNROLL <= MERGE_IN_FLIGHT_BYTES
                             else 2 if PARTIAL_BYTES * 2 <= MERGE_IN_FLIGHT_BYTES else 1)
     for i in tl.range(0, count, loop_unroll_factor=UNROLL):
