@@ -9,7 +9,8 @@ textual change, imported from a scratch copy and launched through a fresh Decode
 - nomerge: split tasks store their partials and never merge (no arrivals either);
 - nochain: q_start = row * Q_PAD and n_q = Q_PAD (uniform q_len only), no qo_indptr loads.
 Graph replay (plan + one run per layer, each layer its own pool), us per layer, two rounds.
-Further ablations (--ablations, --q1-ablations): unroll8, 8 partials' loads in flight in the
+Further ablations (--ablations, --q1-ablations): relaxedarrive, the arrivals' atomic without
+release and acquire (no fence; a race, timing only); unroll8, 8 partials' loads in flight in the
 merge (4 today); twolevel, merges in two levels from 5 splits on (17 today); fp32part, partial
 outputs stored in fp32, as before v26 (today: the output's dtype). v26 measured the partials in
 fp16 with an ablation of the kernel before (the cast in _store_partial and merge_partials).
@@ -39,6 +40,9 @@ ABLATIONS = {
     "nochain": [("decode", "q_start = tl.load(qo_indptr_ptr + row)", "q_start = row * Q_PAD"),
                 ("decode", "n_q = tl.minimum(tl.maximum(tl.load(qo_indptr_ptr + row + 1) - q_start, 0), Q_PAD)",
                  "n_q = row * 0 + Q_PAD")],
+    # the arrivals without their release and acquire (no fence before the counter's atomic)
+    "relaxedarrive": [("decode", 'done = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")',
+                       'done = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")')],
     # the merge's loads: 8 partials in flight (twice the bytes' cap)
     "unroll8": [("merge", "MERGE_UNROLL = tl.constexpr(4)", "MERGE_UNROLL = tl.constexpr(8)"),
                 ("merge", "MERGE_IN_FLIGHT_BYTES = tl.constexpr(32768)",
