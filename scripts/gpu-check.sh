@@ -251,8 +251,8 @@ for step in $steps; do
                  echo "mergechunks: git apply results/h200/v26/merge-chunks/merge-chunks.patch first"
                  status=1; continue
                fi
-               timeout 200 python3 scripts/probe_query_cost.py --ablations unrolledmerge \
-                 --q1-ablations unrolledmerge --json "$out/mergechunks/q4.json" \
+               timeout 200 python3 scripts/probe_query_cost.py --ablations unrolledmerge,relaxedarrive \
+                 --q1-ablations unrolledmerge,relaxedarrive --json "$out/mergechunks/q4.json" \
                  "B1 L1K" "B1 L8K" "B4 L1K" "B8 L1K" "B4 zipf" "B8 zipf" "B8 L32K" \
                  > "$out/mergechunks/q4.txt" 2>&1 || status=1
                timeout 150 python3 scripts/probe_query_cost.py --q-len 8 --ablations unrolledmerge \
