@@ -10,7 +10,7 @@
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|mergechunks|gemma2window|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
-# step cannot take the others' results with it. tests: the suite in six parallel pytest processes
+# step cannot take the others' results with it. tests: the suite in seven parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
 # policy per preset of $PRESETS (default the shapes without a shipped one), fitted and judged on
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
@@ -59,7 +59,7 @@ for step in $steps; do
   case $step in
     tests)     # the slowest files alone, the rest spread over the other processes
                groups=("tests/test_decode.py" "tests/test_variants.py" "tests/test_fp8.py"
-                       "tests/test_compile.py tests/test_transformers.py"
+                       "tests/test_compile.py" "tests/test_transformers.py"
                        "tests/test_multi_token.py tests/test_graph_mode.py tests/test_op.py"
                        "$(ls tests/test_*.py | grep -v -E 'test_(decode|variants|fp8|compile|transformers|multi_token|graph_mode|op)\.py' | tr '\n' ' ')")
                i=0
