@@ -121,9 +121,12 @@ def main():
     kernels[f"q_len {args.q_len}"] = (args.q_len, decode.paged_decode_kernel)
     kernels.update({f"q_len {args.q_len} {n}": (args.q_len, ablated_kernel(n, scratch))
                     for n in filter(None, args.ablations.split(","))})
-    result = {"environment": environment(torch.device("cuda"), command=sys.argv, functional=False), "q_len": args.q_len, "cells": {}}
+    result = {"environment": environment(torch.device("cuda"), command=sys.argv,
+                                         functional=False),
+              "q_len": args.q_len, "cells": {}}
     base = decode.paged_decode_kernel
-    # the first cell twice, the first pass thrown away: a process's first graphs run slow (v19-v21)
+    # the first cell twice, its first pass thrown away (Triton's compiles and the allocator's
+    # first blocks out of the timed graphs)
     for n, cell in enumerate([args.cells[0], *args.cells]):
         lens = probe_cells.CELLS[cell]
         cache, (indptr, indices, last), _ = probe_cells.cell(lens)
