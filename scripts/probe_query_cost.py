@@ -82,12 +82,10 @@ def ablated_kernel(name: str, scratch: pathlib.Path):
     return _load(scratch / f"pkv_probe_{name}.py").paged_decode_kernel
 
 
-def graph_of(lens, q_len, cache, table, qs):
-    """A fresh wrapper's auto plan + runs (q [B * q_len, 32, 128] a layer) as one CUDA graph;
-    returns (graph, layer 0's output, the plan's choice, what the graph reads and writes: the
-    caller keeps it alive while the graph replays)."""
-    rows = len(lens)
-    qo = None if q_len == 1 else torch.arange(0, rows * q_len + 1, q_len, dtype=torch.int32)
+def graph_of(qo, cache, table, qs):
+    """A fresh wrapper's auto plan + runs (q [total_q, 32, 128] a layer, qo_indptr qo or None
+    for one query a row) as one CUDA graph; returns (graph, layer 0's output, the plan's choice,
+    what the graph reads and writes: the caller keeps it alive while the graph replays)."""
     w = DecodeWrapper("HND")
     kw = dict(**table, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
               backend="auto", qo_indptr=qo)
@@ -140,7 +138,7 @@ def main():
             ref, _ = reference_decode(qs[0], cache.pools[0], layout="HND", **table, qo_indptr=qo)
             decode.paged_decode_kernel = kernel
             try:
-                graph, out, choice, state = graph_of(lens, q_len, cache, table, qs)
+                graph, out, choice, state = graph_of(qo, cache, table, qs)
             finally:
                 decode.paged_decode_kernel = base
             graphs.append(graph)
