@@ -33,6 +33,8 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    block_n=cfg.tile_tokens(kv_fp8="kv_fp8" in variants),
                                    return_lse=False, upcast=False, max_queries=max_queries,
+                                   long_block_n=cfg.long_tile_tokens(kv_fp8="kv_fp8" in variants),
+                                   long_from_tokens=cfg.long_from_tokens,
                                    **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}
@@ -128,16 +130,25 @@ def main():
                              "(programmatic dependent launch: griddepcontrol.wait first)")
     parser.add_argument("--max-registers", type=int, default=None,
                         help="KernelConfig.max_registers (Triton's maxnreg) of the default config")
+    parser.add_argument("--shape", help="one shape, 'group,head_dim' (e.g. 8,64)")
+    parser.add_argument("--config", default="",
+                        help="KernelConfig fields over the default, e.g. 'block_n=64,long_block_n=128'")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
     if args.queries:
         shapes = tuple((4, 128, n) for n in (2, 4, 8, 16))
+    if args.shape:
+        group, head_dim = (int(x) for x in args.shape.split(","))
+        shapes = ((group, head_dim, 1),)
+    fields = {k: int(v) for k, v in (f.split("=") for f in args.config.split(",") if f)}
+    if args.max_registers is not None:
+        fields["max_registers"] = args.max_registers
     for group, head_dim, queries in shapes:
         config = None
-        if args.max_registers is not None:
+        if fields:
             config = dataclasses.replace(default_config(head_dim=head_dim, num_kv_heads=8),
-                                         max_registers=args.max_registers)
+                                         **fields)
         k = compile_decode(arch=args.arch, group=group, head_dim=head_dim, config=config,
                            max_queries=queries, variants=variants)
         ptx = k.asm["ptx"]

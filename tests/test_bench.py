@@ -9,8 +9,8 @@ import torch
 
 from paged_case import ON_GPU
 from persistentkv.bench.adaptive import calibration_steps, evaluation_table
-from persistentkv.bench.backends import (Backend, PersistentKV, PaddedSDPA, PerSequence, _pkv_variant,
-                                         make_backends)
+from persistentkv.bench.backends import (Backend, PersistentKV, PaddedSDPA, PerSequence,
+                                         _override_suffix, _pkv_variant, make_backends)
 from persistentkv.bench.results import summarize
 from persistentkv.bench.runner import Measured, ModelShape, RunOptions, run_static, run_trace
 from persistentkv.bench.traces import make_trace
@@ -253,6 +253,10 @@ def test_config_variants_are_checked_like_the_defaults():
             KernelConfig(balanced_from_tokens=bad)
     assert _pkv_variant("pkv-auto:pps3:maxreg168") == (
         "auto", None, {"programs_per_sm": 3, "max_registers": 168})
+    assert _pkv_variant("pkv-auto:blockn64:longblockn128:longfrom1024") == (
+        "auto", None, {"block_n": 64, "long_block_n": 128, "long_from_tokens": 1024})
+    assert _pkv_variant("pkv-auto:longblockn0") == ("auto", None, {"long_block_n": None})
+    assert _override_suffix({"long_block_n": None, "block_n": 128}) == ":longblockn0:blockn128"
     for bad in (0, 100, 256, True, 168.0):
         with pytest.raises(ValueError, match=re.escape(
                 f"KernelConfig.max_registers must be None or a multiple of 8 in [24, 255], "

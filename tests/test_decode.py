@@ -1,4 +1,6 @@
 """Every schedule against the float64 reference: both layouts, fp16 and bf16, curated shapes."""
+import re
+
 import pytest
 import torch
 
@@ -319,6 +321,42 @@ def test_page_size_and_tile_combinations(backend, page, block_n):
                  page_size=page, **schedule(backend, max(1, 64 // page)),
                  config=KernelConfig(block_n=block_n, num_stages=2))
     check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+
+
+@pytest.mark.parametrize("layout, page", [("NHD", 16), ("HND", 64), ("HND_VT", 16)])
+@pytest.mark.parametrize("backend", ["grouped", "split"])
+def test_long_tasks_take_their_own_tile(backend, layout, page):
+    """KernelConfig(long_block_n=): tasks of at least long_from_tokens tokens read tiles of
+    long_block_n tokens, the others block_n, in one launch (rows of 700 and 300 tokens are long
+    tasks, 40 and 5 short, as whole rows; split@8 pages cuts them all short), NaN-poisoned."""
+    from persistentkv.tuning import KernelConfig
+
+    case = make_case(seq_lens=[700, 40, 300, 5], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=page, layout=layout)
+    wrapper = DecodeWrapper(layout)
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                 page_size=page, **schedule(backend, max(1, 128 // page)),
+                 config=KernelConfig(block_n=32, long_block_n=64, long_from_tokens=256,
+                                     num_stages=2))
+    out = wrapper.run(case.q, case.kv_cache, out=torch.full_like(case.q, float("nan")))
+    check(case, wrapper, out)
+
+
+def test_long_tile_config_is_checked():
+    from persistentkv.tuning import KernelConfig
+
+    assert KernelConfig(long_block_n=128).long_tile_tokens(kv_fp8=False) == 128
+    assert KernelConfig(long_block_n=128).long_tile_tokens(kv_fp8=True) == 0   # fp8: its own tile
+    assert KernelConfig().long_tile_tokens(kv_fp8=False) == 0
+    with pytest.raises(ValueError, match="KernelConfig.long_block_n must be a power of two >= 16, "
+                                         "got 96"):
+        KernelConfig(long_block_n=96)
+    with pytest.raises(ValueError, match=re.escape(
+            "KernelConfig.long_block_n must be None or above block_n (128), got 128")):
+        KernelConfig(block_n=128, long_block_n=128)   # one tile twice: v27 measured it 1.2-1.5x
+    with pytest.raises(ValueError, match="KernelConfig.long_from_tokens must be a positive int, "
+                                         "got 0"):
+        KernelConfig(long_from_tokens=0)
 
 
 @pytest.mark.gpu

@@ -244,7 +244,9 @@ class DecodeLauncher:
             max_queries=1 if plan.queries is None else plan.queries.max_per_row,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
-            v_transposed=self.kv_layout == "HND_VT")
+            v_transposed=self.kv_layout == "HND_VT",
+            long_block_n=plan.config.long_tile_tokens(kv_fp8=fp8),
+            long_from_tokens=plan.config.long_from_tokens)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).

@@ -31,6 +31,9 @@ class KernelConfig:
     before its first load; off by default, measured by `persistentkv layer-chain`.
     max_registers: Triton's `maxnreg`, a cap on the registers of a thread (None: the compiler's
     choice), so that more programs fit an SM's 64K registers (128 threads each: 168 for three).
+    long_block_n: tokens per K/V tile of the tasks of at least long_from_tokens tokens (None:
+    block_n for every task; fp16/bf16 caches only): a task's loop is chosen by its length on the
+    device, so one plan (and one graph) serves short and long tasks alike.
     """
 
     block_n: int = 64
@@ -44,25 +47,35 @@ class KernelConfig:
     one_round: bool = True
     pdl: bool = False
     max_registers: int | None = None
+    long_block_n: int | None = None
+    long_from_tokens: int = 2048
 
     def tile_tokens(self, *, kv_fp8: bool) -> int:
         """Tokens per K/V tile for a cache of this kind."""
         return self.fp8_block_n or self.block_n if kv_fp8 else self.block_n
 
+    def long_tile_tokens(self, *, kv_fp8: bool) -> int:
+        """Tokens per K/V tile of a long task for a cache of this kind (0: none of its own)."""
+        return 0 if kv_fp8 or self.long_block_n is None else self.long_block_n
+
     def __post_init__(self):
-        for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm"):
+        for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm",
+                     "long_from_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
         value = self.balanced_from_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, got {value!r}")
-        for name in ("block_n", "fp8_block_n"):
+        for name in ("block_n", "fp8_block_n", "long_block_n"):
             value = getattr(self, name)
-            if value is None and name == "fp8_block_n":
+            if value is None and name != "block_n":
                 continue
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
+        if self.long_block_n is not None and self.long_block_n <= self.block_n:
+            raise ValueError(f"KernelConfig.long_block_n must be None or above block_n "
+                             f"({self.block_n}), got {self.long_block_n!r}")
         for name in ("one_round", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -80,10 +93,13 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     """The default for a shape: K/V tiles of about 4096 elements (block_n x head_dim) at three
     stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
     stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads
-    (gpt-oss 64/8: geomean 1.024 -> 1.044x FlashInfer), at 64 with fewer (gpt-oss-tp8 8/1: 128
+    (gpt-oss 64/8: geomean 1.024 -> 1.044x FlashInfer; v27: 64 for tasks under 1K tokens and
+    128 from there in one kernel, 1.052 -> 1.061x, B4 zipf 0.92 -> 1.02x; an fp8 cache keeps 128),
+    at 64 with fewer (gpt-oss-tp8 8/1: 128
     cost 3-10% on its small, latency-bound cells, 1.093 -> 1.065x; v22: four stages there took
     its large steps by 2.2-2.4% and cost its mixed batches 1-6%, geomean 1.074 -> 1.065x, not
-    kept). Head dim 512 at block_n 16: compiled for sm_90a, block_n 32 spills (255 registers, 32
+    kept; v27: 128 from 1K-token tasks took its two largest steps 1.6-2.7% and cost every other
+    cell 2-6%, its 255 registers against 168: not kept). Head dim 512 at block_n 16: compiled for sm_90a, block_n 32 spills (255 registers, 32
     B of stack) and needs 145 KB of shared memory at three stages; 16 keeps 222 registers, no
     spill, 81 KB (scripts/compile_check.py; timed in v10: 0.93-0.98x FlashInfer where
     bandwidth-bound). An fp8 cache at head dim 128 reads tiles of 128 tokens, the fp16 tile's
@@ -94,5 +110,5 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     if head_dim > 128:
         return KernelConfig(block_n=32)
     if head_dim <= 64 and num_kv_heads >= 4:
-        return KernelConfig(block_n=128)
+        return KernelConfig(block_n=64, fp8_block_n=128, long_block_n=128, long_from_tokens=1024)
     return KernelConfig(fp8_block_n=128 if head_dim == 128 else None)

@@ -159,7 +159,8 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                 TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr):
+                 TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr, BLOCK_N_LONG: tl.constexpr,
+                 LONG_FROM: tl.constexpr):
     """One (row, KV head, split) task; the last split of a row to finish merges the row.
 
     Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
@@ -183,12 +184,29 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
     if KV_FP8:                              # a per-tensor K scale folds into the score scale
         scale_log2 = scale_log2 * k_scale
-    acc, m_i, l_i = _attend_range(q, k_ptr + head_off, v_ptr + stride_kv + head_off,
-                                  kv_scales_ptr + kv_head * PAGE_SIZE, indices_ptr,
-                                  page_start.to(tl.int64), tok_lo, tok_hi, limit, lower,
-                                  stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
-                                  G_PAD, D_PAD, PAGE_SIZE, BLOCK_N, Q_PAD > 1, WINDOW, SOFT_CAP,
-                                  UPCAST, KV_FP8, TOKEN_SCALES, NUM_KV_HEADS * PAGE_SIZE, V_T)
+    k_head, v_head = k_ptr + head_off, v_ptr + stride_kv + head_off
+    scales_head, pages = kv_scales_ptr + kv_head * PAGE_SIZE, page_start.to(tl.int64)
+    CAUSAL: tl.constexpr = Q_PAD > 1
+    SCALE_KV: tl.constexpr = NUM_KV_HEADS * PAGE_SIZE
+    if BLOCK_N_LONG > 0:       # a task of at least LONG_FROM tokens reads tiles of BLOCK_N_LONG
+        if tok_hi - tok_lo >= LONG_FROM:
+            acc, m_i, l_i = _attend_range(
+                q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
+                stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap, G_PAD, D_PAD,
+                PAGE_SIZE, BLOCK_N_LONG, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
+                SCALE_KV, V_T)
+        else:
+            acc, m_i, l_i = _attend_range(
+                q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
+                stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap, G_PAD, D_PAD,
+                PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
+                SCALE_KV, V_T)
+    else:
+        acc, m_i, l_i = _attend_range(
+            q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
+            stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap, G_PAD, D_PAD,
+            PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
+            SCALE_KV, V_T)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:                              # and a per-tensor V scale into the output
@@ -362,7 +380,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr):
+                        TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
+                        BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -407,7 +426,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
+                         LONG_FROM)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
@@ -419,7 +439,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                              stride_page, stride_head, stride_tok, stride_kv, scale_log2,
                              num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
                              G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
-                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
+                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T,
+                             BLOCK_N_LONG, LONG_FROM)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
@@ -431,7 +452,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T)
+                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
+                         LONG_FROM)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
@@ -443,18 +465,21 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       return_lse: bool, upcast: bool, max_queries: int = 1, window: bool = False,
                       soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
                       token_scales: bool = False, pdl: bool = False,
-                      v_transposed: bool = False) -> dict:
+                      v_transposed: bool = False, long_block_n: int = 0,
+                      long_from_tokens: int = 0) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
     kv_fp8: an e4m3 cache, token_scales: with a scale per token and KV head; pdl: the kernel
     waits for the previous kernel's writes (launched with launch_pdl=True; compute capability
     9.0+, never under the interpreter: launch.use_pdl decides); v_transposed: the HND_VT layout's
-    V blocks."""
+    V blocks; long_block_n: the tile of the tasks of at least long_from_tokens tokens (0: block_n
+    for every task; KernelConfig.long_tile_tokens)."""
     rows = max_queries * group
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
                 G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
                 G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
-                TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed)
+                TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed, BLOCK_N_LONG=long_block_n,
+                LONG_FROM=long_from_tokens if long_block_n else 0)
