@@ -8,7 +8,7 @@
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|mergechunks|gemma2window|e2e ...]
+#                                        longtiles|tp8long|gemma2window|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in seven parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -37,10 +37,10 @@
 # heldgraphs: the probe with each graph's wrapper and outputs held through the replays, its
 # outputs checked after them (v26: the slow first graphs replayed over freed buffers, by the
 # code); qgrids: q_len 4 and 8 over the whole grid against FlashInfer's prefill and XQA paths;
-# longtiles and mergechunks, two experiments that need their patch applied first
-# (results/h200/v26/long-tiles/, merge-chunks/; docs/perf-notes.md v26): head dim 64's presets
-# with 128-token tiles for tasks of at least 1K, 2K or 4K tokens against the default tile, and
-# the chunked merge against the loop unrolled by the compiler, in one process, at q_len 1, 4, 8;
+# longtiles: head dim 64's presets with 128-token tiles for tasks of at least 1K, 2K or 4K
+# tokens against the default tile (v27: kept at gpt-oss, not at gpt-oss-tp8); tp8long: why
+# gpt-oss-tp8's small cells ran 2-6% slower with the long tiles compiled in (v27), the long
+# tiles under a register cap of 200 and at two stages beside the default, twice;
 # gemma2window: gemma2-9b's windowed large steps, 64-token tiles at two stages and the fixed
 # schedules beside the rule (v22: 0.90-0.98x);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
@@ -236,29 +236,21 @@ for step in $steps; do
                    > "$out/qgrids/qlen-$q-log.txt" 2>&1 || status=1
                done ;;
     longtiles) mkdir -p "$out/longtiles"   # a tile by a task's length, head dim 64
-               if ! grep -q long_block_n src/persistentkv/tuning.py; then
-                 echo "longtiles: git apply results/h200/v26/long-tiles/long-tiles.patch first"
-                 status=1; continue
-               fi
                timeout 280 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
                  --backends pkv-auto,pkv-auto:longblockn128:longfrom1024,pkv-auto:longblockn128,pkv-auto:longblockn128:longfrom4096,fi-tensor-core,fi-xqa \
                  --out "$out/longtiles" --tag gpt-oss-tp8 > "$out/longtiles/gpt-oss-tp8-log.txt" 2>&1 || status=1
                timeout 280 python3 -m persistentkv.cli bench --grid --preset gpt-oss \
-                 --backends pkv-auto,pkv-auto:blockn64:longblockn128:longfrom1024,pkv-auto:blockn64:longblockn128,fi-tensor-core,fi-xqa \
+                 --backends pkv-auto,pkv-auto:blockn128:longblockn0,pkv-auto:longfrom2048,fi-tensor-core,fi-xqa \
                  --out "$out/longtiles" --tag gpt-oss > "$out/longtiles/gpt-oss-log.txt" 2>&1 || status=1 ;;
-    mergechunks) mkdir -p "$out/mergechunks"   # a row's partials in masked chunks
-               if ! grep -q "for first in tl.range" src/persistentkv/kernels/merge.py; then
-                 echo "mergechunks: git apply results/h200/v26/merge-chunks/merge-chunks.patch first"
-                 status=1; continue
-               fi
-               timeout 200 python3 scripts/probe_query_cost.py --ablations unrolledmerge,relaxedarrive \
-                 --q1-ablations unrolledmerge,relaxedarrive --json "$out/mergechunks/q4.json" \
-                 "B1 L1K" "B1 L8K" "B4 L1K" "B8 L1K" "B4 zipf" "B8 zipf" "B8 L32K" \
-                 > "$out/mergechunks/q4.txt" 2>&1 || status=1
-               timeout 150 python3 scripts/probe_query_cost.py --q-len 8 --ablations unrolledmerge \
-                 --json "$out/mergechunks/q8.json" "B1 L1K" "B1 L8K" "B4 L1K" "B4 zipf" \
-                 > "$out/mergechunks/q8.txt" 2>&1 || status=1
-               tail -12 "$out/mergechunks/q4.txt" ;;
+    tp8long)   mkdir -p "$out/tp8long"   # gpt-oss-tp8: what the long tiles cost its small cells
+               long=pkv-auto:longblockn128:longfrom1024
+               for i in 1 2; do   # twice, for the noise
+                 timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
+                   --cells "B1 L1K,B4 L1K,B8 L1K,B8 L8K,B4 zipf,B32 L8K,B32 L128K,B128 L32K" \
+                   --backends pkv-auto,$long,$long:maxreg200,pkv-auto:stages2,$long:stages2,fi-tensor-core \
+                   --out "$out/tp8long" --tag "tp8long-$i" > "$out/tp8long/tp8long-$i-log.txt" 2>&1
+                 tail -1 "$out/tp8long/tp8long-$i-log.txt"
+               done ;;
     gemma2window) mkdir -p "$out/gemma2window"   # gemma2-9b's windowed large steps
                timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
                  --window-left 4096 --soft-cap 50 --cells "B128 L8K,B128 L32K,B32 L32K,B8 L4K" \
