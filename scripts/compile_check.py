@@ -132,7 +132,8 @@ def main():
                         help="KernelConfig.max_registers (Triton's maxnreg) of the default config")
     parser.add_argument("--shape", help="one shape, 'group,head_dim' (e.g. 8,64)")
     parser.add_argument("--config", default="",
-                        help="KernelConfig fields over the default, e.g. 'block_n=64,long_block_n=128'")
+                        help="KernelConfig fields over the shape's default, e.g. "
+                             "'block_n=64,long_block_n=128' (long_block_n=0: none)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
@@ -142,6 +143,8 @@ def main():
         group, head_dim = (int(x) for x in args.shape.split(","))
         shapes = ((group, head_dim, 1),)
     fields = {k: int(v) for k, v in (f.split("=") for f in args.config.split(",") if f)}
+    if fields.get("long_block_n") == 0:   # off, as the bench's ':longblockn0'
+        fields["long_block_n"] = None
     if args.max_registers is not None:
         fields["max_registers"] = args.max_registers
     for group, head_dim, queries in shapes:
