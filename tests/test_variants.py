@@ -24,7 +24,7 @@ def _sinks(num_qo_heads, seed):
 
 def _check(case, *, backend, window_left=-1, logits_soft_cap=0.0, sinks=False, q_lens=None,
            table_form="csr", split_pages=None, seed=0, heads=HEADS, deterministic=False,
-           **wrapper_kwargs):
+           config=None, **wrapper_kwargs):
     """Plan and run with the variants (out poisoned with NaN first); compare out and lse with the
     reference. Returns the wrapper."""
     kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
@@ -33,7 +33,7 @@ def _check(case, *, backend, window_left=-1, logits_soft_cap=0.0, sinks=False, q
     wrapper = DecodeWrapper(case.layout, **wrapper_kwargs)
     wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr,
                  window_left=window_left, logits_soft_cap=logits_soft_cap,
-                 deterministic=deterministic)
+                 deterministic=deterministic, config=config)
     out = torch.full_like(q, float("nan"))
     lse = wrapper.run(q, case.kv_cache, out=out, return_lse=True, sinks=sink_logits)[1]
     ref, ref_lse = reference_decode(q, case.kv_cache, layout=case.layout, qo_indptr=qo_indptr,
@@ -62,6 +62,19 @@ def test_variants_with_several_queries(table_form):
     case = make_case(seq_lens=[200, 7, 90], **HEADS, seed=2)
     _check(case, backend="split", split_pages=1, q_lens=[5, 3, 8], table_form=table_form,
            **VARIANTS["all"])
+
+
+@pytest.mark.parametrize("backend, split_pages", [("grouped", None), ("split", 6)])
+def test_variants_with_long_tiles(backend, split_pages):
+    """Every variant and several queries a row with KernelConfig.long_block_n (as gpt-oss's
+    default): the windowed tasks of the long rows (about 100 tokens) take the long loop, the
+    short rows' the short one."""
+    from persistentkv.tuning import KernelConfig
+
+    case = make_case(seq_lens=[300, 9, 130, 33], **HEADS, seed=3)
+    _check(case, backend=backend, split_pages=split_pages, q_lens=[4, 2, 5, 1],
+           window_left=100, logits_soft_cap=5.0, sinks=True,
+           config=KernelConfig(block_n=16, long_block_n=32, long_from_tokens=64, num_stages=2))
 
 
 def test_window_reads_only_its_pages():
