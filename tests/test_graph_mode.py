@@ -80,16 +80,24 @@ def _check_rows(q, out, cache, table, step):
     assert relative_error(out[:b], ref) <= TOLERANCE[torch.float16], step
 
 
+LONG_TILES = KernelConfig(block_n=16, long_block_n=32, long_from_tokens=64, num_stages=2)
+
+
 @pytest.mark.parametrize("form", ["csr", "block"])
-def test_graph_mode_plan_matches_reference_as_the_batch_changes(form):
+@pytest.mark.parametrize("config, split_pages", [(None, 2), (LONG_TILES, 6)],
+                         ids=["default", "long-tiles"])
+def test_graph_mode_plan_matches_reference_as_the_batch_changes(form, config, split_pages):
+    """One graph-mode wrapper over three batches; with long tiles, the 96-token splits take the
+    long loop and the rows' shorter last splits the short one, in the same plan."""
     cache, static = _cache(), StaticTable()
     wrapper = _graph_wrapper(form)
     q = torch.randn(MAX_B, 8, 64, dtype=torch.float16, device=DEVICE)
     for step, lens in enumerate([[40], [300, 7, 64], [1, 2, 3, 500]]):
         table = _hold_only(cache, lens)
         static.fill(table)
-        plan = wrapper.plan(**static.kwargs(form), **HEADS, backend="split", split_pages=2)
-        assert plan.info()["num_tasks"] == sum(-(-n // 32) for n in lens)
+        plan = wrapper.plan(**static.kwargs(form), **HEADS, backend="split",
+                            split_pages=split_pages, config=config)
+        assert plan.info()["num_tasks"] == sum(-(-n // (16 * split_pages)) for n in lens)
         out = torch.full_like(q, float("nan"))
         wrapper.run(q, cache.pools[0], out=out)
         _check_rows(q, out, cache, table, step)
