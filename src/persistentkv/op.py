@@ -34,8 +34,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
     sinks None: off; an fp8 k, v: scaled by k_scale and v_scale, or per token by kv_scales;
     pdl: launched with programmatic dependent launch, as launch.use_pdl decided; v_transposed:
-    V's blocks in the HND_VT layout; max_registers: Triton's maxnreg, None for the compiler's choice;
-    long_block_n, long_from_tokens: the tile of long tasks, 0 for none).
+    V's blocks in the HND_VT layout; max_registers: Triton's maxnreg, None for the compiler's
+    choice; long_block_n, long_from_tokens: the tile of long tasks, 0 for none).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
     """

@@ -93,13 +93,13 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     """The default for a shape: K/V tiles of about 4096 elements (block_n x head_dim) at three
     stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
     stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads
-    (gpt-oss 64/8: geomean 1.024 -> 1.044x FlashInfer; v27: 64 for tasks under 1K tokens and
-    128 from there in one kernel, 1.052 -> 1.061x, B4 zipf 0.92 -> 1.02x; an fp8 cache keeps 128),
-    at 64 with fewer (gpt-oss-tp8 8/1: 128
-    cost 3-10% on its small, latency-bound cells, 1.093 -> 1.065x; v22: four stages there took
-    its large steps by 2.2-2.4% and cost its mixed batches 1-6%, geomean 1.074 -> 1.065x, not
-    kept; v27: 128 from 1K-token tasks took its two largest steps 1.6-2.7% and cost every other
-    cell 2-6%, its 255 registers against 168: not kept). Head dim 512 at block_n 16: compiled for sm_90a, block_n 32 spills (255 registers, 32
+    (gpt-oss 64/8: geomean 1.024 -> 1.044x FlashInfer; v27: 64 for tasks under 1K tokens and 128
+    from there, in one kernel, 1.053 -> 1.058x in two runs, B4 zipf 0.92 -> 1.02x; an fp8 cache
+    keeps 128), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10% on its small, latency-bound
+    cells, 1.093 -> 1.065x; v22: four stages there took its large steps by 2.2-2.4% and cost its
+    mixed batches 1-6%, geomean 1.074 -> 1.065x, not kept; v27: 128 from 1K-token tasks took its
+    two largest steps 1.6-2.7% and cost its other cells up to 6%, 255 registers against 168: not
+    kept). Head dim 512 at block_n 16: compiled for sm_90a, block_n 32 spills (255 registers, 32
     B of stack) and needs 145 KB of shared memory at three stages; 16 keeps 222 registers, no
     spill, 81 KB (scripts/compile_check.py; timed in v10: 0.93-0.98x FlashInfer where
     bandwidth-bound). An fp8 cache at head dim 128 reads tiles of 128 tokens, the fp16 tile's

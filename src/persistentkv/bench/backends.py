@@ -392,7 +392,8 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "minsplit": ("min_split_tokens", int), "blockn": ("block_n", int),
                    "fp8blockn": ("fp8_block_n", int), "balfrom": ("balanced_from_tokens", int),
                    "pdl": ("pdl", {"0": False, "1": True}.__getitem__),
-                   "maxreg": ("max_registers", int), "longblockn": ("long_block_n", lambda text: int(text) or None),
+                   "maxreg": ("max_registers", int),
+                   "longblockn": ("long_block_n", lambda text: int(text) or None),
                    "longfrom": ("long_from_tokens", int)}
 
 
@@ -444,7 +445,8 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     ':blocknN' (tokens per K/V tile), ':fp8blocknN' (an fp8 cache's), ':balfromT' (the default
     rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
     (registers a thread), ':longblocknN' and ':longfromT' (the tile of tasks of at least T
-    tokens; ':longblockn0' none of their own), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3', 'pkv-auto:pdl1'.
+    tokens; ':longblockn0' none of their own), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3',
+    'pkv-auto:pdl1'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]
