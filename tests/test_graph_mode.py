@@ -248,10 +248,14 @@ def test_graph_mode_argument_checks():
     wide = StaticTable(width=MAX_PAGES // MAX_B + 1)                  # 4 x 17 > 64 entries
     with pytest.raises(ValueError, match="68 page entries, over max_num_pages=64"):
         w.plan(**wide.kwargs("block"), **HEADS)
-    # the buffers are sized at the first plan(): a plan needing more partials is refused
+    # the buffers are sized at the first plan() (partials of 256 tasks of 8 heads, the least
+    # they grow by): a plan needing more is refused, here up to 128 one-page splits of 32 heads
     w.plan(**static.kwargs("csr"), **HEADS)
+    w.plan(**static.kwargs("csr"), **{**HEADS, "num_qo_heads": 16}, backend="split",
+           split_pages=1)
     with pytest.raises(ValueError, match="sized its buffers at the first plan"):
-        w.plan(**static.kwargs("csr"), **{**HEADS, "num_qo_heads": 16})
+        w.plan(**static.kwargs("csr"), **{**HEADS, "num_qo_heads": 32}, backend="split",
+               split_pages=1)
 
 
 @pytest.mark.gpu

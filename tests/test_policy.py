@@ -264,3 +264,31 @@ def test_shipped_policies_name_their_shape_and_page_size():
         assert policy.page_size == 16, f.name
         assert f.name == policy_file_name(policy.gpu, policy.shape,
                                           kv_fp8=f.name.endswith("-fp8.json")), f.name
+
+
+def test_partials_are_sized_by_the_bins_each_choice_decides():
+    """A policy of splits of one page for single rows of 2K-8K tokens: a step of 40 short rows
+    falls in another bin, so the workspace holds partials for what one row of that bin can cut
+    (8K tokens: 512 one-page tasks; a CSR table's widest row is not known on the host), not for
+    one task per page of all 40 rows (the e2e run's out-of-memory at 16 queries a row). A single long row in that bin then runs
+    split@1 in the same buffers."""
+    policy = Policy(gpu="cpu", table={"r0-l1-s0": Choice("split", 1)})
+    wrapper = DecodeWrapper("NHD", policy=policy)
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16)
+    many = make_case(seq_lens=[300 + 7 * i for i in range(40)], **heads)
+    plan = wrapper.plan(**csr_kwargs(many.table), **heads, backend="auto")
+    partials = plan.workspace.partial_capacity(partial_heads=4, head_dim=32, kv_heads=2)
+    assert plan.workspace.capacity >= 40 * 19       # the tasks of split@1 over all 40 rows
+    assert partials == 512                           # one 8K row of one-page tasks
+    out = torch.full_like(many.q, float("nan"))
+    wrapper.run(many.q, many.kv_cache, out=out)
+    ref, _ = reference_decode(many.q, many.kv_cache, layout="NHD", **csr_kwargs(many.table))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+    one = make_case(seq_lens=[3000], seed=1, **heads)
+    plan = wrapper.plan(**csr_kwargs(one.table), **heads, backend="auto")
+    assert plan.info()["choice"] == Choice("split", 1) and plan.info()["num_tasks"] == 188
+    out = torch.full_like(one.q, float("nan"))
+    wrapper.run(one.q, one.kv_cache, out=out)
+    ref, _ = reference_decode(one.q, one.kv_cache, layout="NHD", **csr_kwargs(one.table))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]

@@ -98,7 +98,7 @@ def plan_for(lens, *, form="csr", num_kv_heads=2, page_size=16, seed=0, **option
 
 def check_tasks(plan, lens, starts, page_size):
     """What every plan must hold: each active row's tokens in exactly one task each, cut at whole
-    pages into splits of split_tokens; the run order; partial slots."""
+    pages into splits of split_tokens; the run order; partial slots (check_slots)."""
     info, rec = plan.info(), plan.task_records()
     if info["choice"] == Choice("balanced"):
         return check_balanced(plan, lens, starts, page_size)
@@ -129,12 +129,21 @@ def check_tasks(plan, lens, starts, page_size):
     assert sorted(zip(row[:k], part[:k])) == list(zip(row[:k], part[:k]))
     tail = list(zip(-(hi[k:] - lo[k:]), row[k:]))
     assert tail == sorted(tail)
-    # partial slots: none for a one-split row; distinct, inside the buffers, for the others
-    assert ((slot_start == -1) == (num_splits == 1)).all()
-    slots = (slot_start + part)[num_splits > 1]
-    assert len(set(slots.tolist())) == len(slots)
-    assert (slots >= 0).all() and (slots < plan.workspace.capacity).all()
+    check_slots(plan, part, slot_start, num_splits)
     return info, rec
+
+
+def check_slots(plan, part, slot_start, num_splits):
+    """Partial slots: none for a one-task row; for the others 0, 1, ... in row order, each once,
+    and no more than the workspace holds for the plan's shape."""
+    assert ((slot_start == -1) == (num_splits == 1)).all()
+    multi = num_splits > 1
+    slots = (slot_start + part)[multi]
+    assert sorted(slots.tolist()) == list(range(len(slots)))
+    q_pad = 1 if plan.queries is None else plan.queries.max_per_row
+    assert len(slots) <= plan.workspace.partial_capacity(
+        partial_heads=plan.num_qo_heads * q_pad, head_dim=plan.head_dim,
+        kv_heads=plan.num_kv_heads)
 
 
 def documented_chunk_pages(lens, *, page_size: int, num_kv_heads: int, config: KernelConfig,
@@ -181,10 +190,7 @@ def check_balanced(plan, lens, starts, page_size):
         assert lo[mine][0] == 0 and hi[mine][-1] == n and (lo[mine][1:] == hi[mine][:-1]).all()
         assert (num_splits[mine] == len(mine)).all() and (page_start[mine] == starts[r]).all()
     assert (lo % page_size == 0).all() and (hi > lo).all()
-    assert ((slot_start == -1) == (num_splits == 1)).all()
-    slots = (slot_start + part)[num_splits > 1]
-    assert len(set(slots.tolist())) == len(slots)
-    assert (slots >= 0).all() and (slots < plan.workspace.capacity).all()
+    check_slots(plan, part, slot_start, num_splits)
     return info, rec
 
 

@@ -23,8 +23,8 @@ from .queries import QueryLayout
 from .policy import EDGES, Policy, fallback_choice, load_policy
 from .runtime import next_power_of_2, sm_count
 from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
-                       chunks_per_head, min_split_tokens, split_task_target, task_bound,
-                       whole_row_min_rows)
+                       chunks_per_head, min_split_tokens, partial_bound, split_task_target,
+                       task_bound, whole_row_min_rows)
 from .tuning import KernelConfig
 
 CAPACITY_QUANTUM = 256   # task buffers grow in steps of this many tasks
@@ -52,9 +52,10 @@ class PlanOptions:
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
     [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
-    partial outputs [capacity * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
-    in the first half where it is 16-bit) and lse fp32 [capacity * Hq], merge counters int32
-    [capacity * Hkv], by partial slot (zero between launches), and the page guard's copy of a
+    partial outputs [slots * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
+    in the first half where it is 16-bit) and lse fp32 [slots * Hq], with slots the partial
+    capacity (tasks of rows cut in two or more: schedule.partial_bound), merge counters int32
+    [slots * Hkv], by partial slot (zero between launches), and the page guard's copy of a
     trusted page table, int32 [entries] (guard.py), and the rows' lengths int32 [rows] (the
     planner's). `generation` counts the reallocations."""
 
@@ -73,19 +74,25 @@ class Workspace:
     def capacity(self) -> int:
         return self.tasks.shape[0]
 
-    def fits(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int,
-             pages: int, rows: int) -> bool:
-        capacity = self.tasks.shape[0]
-        slots = capacity * partial_heads   # the kernel may use every task's slot
-        return (capacity >= tasks and self.part_lse.numel() >= slots
-                and self.part_o.numel() >= slots * head_dim
-                and self.counters.numel() >= capacity * kv_heads
-                and self.safe_pages.numel() >= pages and self.row_lens.numel() >= rows)
+    def partial_capacity(self, *, partial_heads: int, head_dim: int, kv_heads: int) -> int:
+        """Tasks with a partial the buffers hold for plans of this shape (the planner refuses a
+        plan of more)."""
+        return min(self.part_lse.numel() // partial_heads,
+                   self.part_o.numel() // (partial_heads * head_dim),
+                   self.counters.numel() // kv_heads)
 
-    def reserve(self, *, tasks: int, partial_heads: int, head_dim: int, kv_heads: int,
-                pages: int, rows: int) -> None:
-        """Room for `tasks` task records, their partials (partial_heads rows each) and merge
-        counters, a copy of `pages` page-table entries, and `rows` row lengths."""
+    def fits(self, *, tasks: int, partial_tasks: int, partial_heads: int, head_dim: int,
+             kv_heads: int, pages: int, rows: int) -> bool:
+        return (self.capacity >= tasks and self.safe_pages.numel() >= pages
+                and self.row_lens.numel() >= rows
+                and self.partial_capacity(partial_heads=partial_heads, head_dim=head_dim,
+                                          kv_heads=kv_heads) >= partial_tasks)
+
+    def reserve(self, *, tasks: int, partial_tasks: int, partial_heads: int, head_dim: int,
+                kv_heads: int, pages: int, rows: int) -> None:
+        """Room for `tasks` task records, the partials of `partial_tasks` of them (partial_heads
+        rows each) and their merge counters, a copy of `pages` page-table entries, and `rows`
+        row lengths."""
         grown = False
         if self.row_lens.numel() < rows:
             self.row_lens = torch.zeros(rows, dtype=torch.int32, device=self.device)
@@ -97,13 +104,15 @@ class Workspace:
             tasks = -(-tasks // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
             self.tasks = torch.zeros(tasks, TASK_FIELDS, dtype=torch.int32, device=self.device)
             grown = True
-        slots = self.tasks.shape[0] * partial_heads
+        partial_tasks = -(-max(partial_tasks, 1) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+        slots = partial_tasks * partial_heads
         if self.part_lse.numel() < slots or self.part_o.numel() < slots * head_dim:
             self.part_lse = torch.empty(slots, dtype=torch.float32, device=self.device)
             self.part_o = torch.empty(slots * head_dim, dtype=torch.float32, device=self.device)
             grown = True
-        if self.counters.numel() < self.tasks.shape[0] * kv_heads:
-            self.counters = torch.zeros(self.tasks.shape[0] * kv_heads, dtype=torch.int32, device=self.device)
+        if self.counters.numel() < partial_tasks * kv_heads:
+            self.counters = torch.zeros(partial_tasks * kv_heads, dtype=torch.int32,
+                                        device=self.device)
             grown = True
         self.generation += grown
 
@@ -202,13 +211,21 @@ class Planner:
         setup = self._setups.get((options, device))
         if setup is None:
             setup = self._setups[options, device] = self._setup(options, device)
-        codes, target, chunks, fixed_tail = setup
+        code_bins, target, chunks, fixed_tail = setup
         q_pad = 1 if queries is None else queries.max_per_row
         rows = self.fixed_rows or table.rows
         pages = self.fixed_pages or table.pages
         need = dict(tasks=max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
                                          chunks=chunks, max_row_pages=table.max_row_pages)
-                              for c in codes),
+                              for c in code_bins),
+                    partial_tasks=max(partial_bound(c, rows=min(rows, most_rows or rows),
+                                                    pages=pages, target_tasks=target,
+                                                    chunks=chunks,
+                                                    max_row_pages=_row_pages(
+                                                        table.max_row_pages, longest,
+                                                        options.page_size))
+                                      for c, bins in code_bins.items()
+                                      for most_rows, longest in bins),
                     partial_heads=options.num_qo_heads * q_pad, head_dim=options.head_dim,
                     kv_heads=options.num_kv_heads, rows=rows,
                     pages=0 if options.check_page_table else max(guarded_extent(table),
@@ -255,9 +272,10 @@ class Planner:
         return plan
 
     def _setup(self, options: PlanOptions, device: torch.device) -> tuple:
-        """What plan() needs of a set of options, once: the choice codes the step may take, the
-        split rule's task target, a balanced plan's chunks per KV head, and the planner's fixed
-        arguments after the workspace buffers."""
+        """What plan() needs of a set of options, once: the choice codes the step may take, each
+        with the policy bins it decides (Policy.code_bins), the split rule's task target, a
+        balanced plan's chunks per KV head, and the planner's fixed arguments after the
+        workspace buffers."""
         cfg, sms = options.config, sm_count(device)
         target = split_task_target(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
         chunks = chunks_per_head(programs=cfg.programs_per_sm * sms,
@@ -271,7 +289,8 @@ class Planner:
                 head_dim=options.head_dim):
             choice = fallback_choice()
         dense = None if choice is not None else policy.dense_codes(page_size=options.page_size)
-        codes = sorted({choice.code()} if dense is None else set(dense))
+        code_bins = ({choice.code(): {(None, None)}} if dense is None
+                     else policy.code_bins(page_size=options.page_size))
         edges, table = self._device_table(device, dense)
         # the kernel's scalars before and after the smallest split, which depends on the tile's
         # query rows too (_bind puts it between them)
@@ -279,7 +298,8 @@ class Planner:
         after_split = (cfg.balanced_from_tokens,
                        whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
                        WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
-        return codes, target, chunks, (edges, table, before_split, after_split, dense is not None)
+        return code_bins, target, chunks, (edges, table, before_split, after_split,
+                                           dense is not None)
 
     def _bind(self, options: PlanOptions, table: PageTableArgs, ws: Workspace, fixed_tail: tuple,
               block_rows: int, align: tuple, q_pad: int) -> BoundLaunch:
@@ -296,6 +316,10 @@ class Planner:
         key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,
                                    fixed=(edges, dense, ws.tasks, ws.info, ws.row_lens, ws.capacity,
+                                          ws.partial_capacity(
+                                              partial_heads=options.num_qo_heads * q_pad,
+                                              head_dim=options.head_dim,
+                                              kv_heads=options.num_kv_heads),
                                           *before_split, smallest_split, *after_split,
                                           window_tokens),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
@@ -325,3 +349,12 @@ class Planner:
                        torch.tensor(codes or [0], dtype=torch.int32, device=device))
             self._policy_tensors[key] = tensors
         return tensors
+
+
+def _row_pages(max_row_pages: int | None, longest: int | None, page_size: int) -> int | None:
+    """Most pages a row of a plan holds: the table's widest row, and a policy bin's longest row
+    in tokens (None: not known)."""
+    if longest is None:
+        return max_row_pages
+    longest_pages = -(-longest // page_size)
+    return longest_pages if max_row_pages is None else min(max_row_pages, longest_pages)

@@ -127,6 +127,17 @@ class Policy:
         return [self.in_pages(self.table.get(k) or fallback_choice(), page_size=page_size).code()
                 for k in map(_bin_key, bins)]
 
+    def code_bins(self, *, page_size: int | None = None) -> dict[int, set]:
+        """Each choice code of dense_codes and the bins it decides, as (most active rows, longest
+        row in tokens) pairs, None where the bin is open above: a plan under that code has at
+        most those rows and that longest row."""
+        bins = itertools.product(*(range(len(edges) + 1) for edges in EDGES))
+        out: dict[int, set] = {}
+        for (r, l, _), code in zip(bins, self.dense_codes(page_size=page_size)):
+            out.setdefault(code, set()).add((ROW_EDGES[r] if r < len(ROW_EDGES) else None,
+                                             MAX_LEN_EDGES[l] if l < len(MAX_LEN_EDGES) else None))
+        return out
+
     # -- JSON ------------------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps({"gpu": self.gpu, "shape": None if self.shape is None else list(self.shape),

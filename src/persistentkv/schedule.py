@@ -133,3 +133,24 @@ def task_bound(code: int, *, rows: int, pages: int, target_tasks: int, chunks: i
     if max_row_pages is not None:
         bound = min(bound, rows * -(-max_row_pages // code))
     return bound
+
+
+def partial_bound(code: int, *, rows: int, pages: int, target_tasks: int, chunks: int,
+                  max_row_pages: int | None = None) -> int:
+    """Most tasks with a partial (the tasks of rows cut in two or more) a step of at most `rows`
+    rows and `pages` pages can have under a choice code, rows of at most max_row_pages pages
+    when known: the slots of partial outputs the planner must reserve. A row cut in s >= 2 tasks
+    has s <= 2 (s - 1) of them, so a plan with at most E tasks beyond one per row has at most 2E:
+    a balanced plan's rows add at most `chunks` tasks, splits of n pages at most pages / n, and
+    the default rule's split tasks are at most target_tasks in all (else it plans balanced)."""
+    if code == BALANCED_CODE:
+        return 2 * chunks
+    if code < 0:
+        return 0
+    if code == 0:
+        return max(target_tasks, 2 * chunks)
+    bound = 2 * -(-pages // code)
+    if max_row_pages is not None:
+        per_row = -(-max_row_pages // code)
+        bound = 0 if per_row < 2 else min(bound, rows * per_row)
+    return bound

@@ -397,7 +397,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     program then claims item programs + c, c = 0, 1, ... from the counter (one claim per item
     run, issued before the item and read after it, so that its latency hides behind it; the
     claim that draws the last value resets the counter for the next launch). counters: int32
-    [task capacity, NUM_KV_HEADS], by partial slot (_merge_split), zero between launches (the
+    [partial capacity, NUM_KV_HEADS], by partial slot (_merge_split), zero between launches (the
     merging tasks reset their own).
     PDL (launched with programmatic dependent launch): the kernel may start before the one ahead
     of it on the stream has finished; it waits for that kernel's writes first of all

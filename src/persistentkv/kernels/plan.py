@@ -107,13 +107,13 @@ def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pag
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
-                               "task_capacity", "choice", "target_tasks", "chunk_target",
-                               "min_split_tokens", "balanced_from_tokens",
+                               "task_capacity", "partial_capacity", "choice", "target_tasks",
+                               "chunk_target", "min_split_tokens", "balanced_from_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins",
                                "window_tokens"])
 def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
                 block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
-                task_capacity,
+                task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
                 whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
                 window_tokens,
@@ -138,7 +138,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     Task order (split and grouped): every row's splits but its last (all of the split size) in
     row order, then the rows' last splits, longest first; each record's `next` is -1. Balanced:
     record c < info[5] starts chunk c, and each record's `next` links the chunk's further tasks.
-    A step whose tasks do not fit in task_capacity plans no task and reports their count in
+    A step whose tasks do not fit in task_capacity, or whose tasks with a partial (the rows cut
+    in two or more) do not fit in partial_capacity, plans no task and reports its task count in
     info[4].
     Grid: (BLOCK_ROWS,): programs past num_rows write nothing.
     """
@@ -183,11 +184,12 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     tl.store(row_lens_ptr + row, my_len, mask=row < num_rows)
     if code == BALANCED:
         num_tasks, split, num_chunks, fits = _plan_balanced(
-            tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity, chunk_target,
-            min_split_tokens, PAGE_SIZE, BLOCK_SPLITS)
+            tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity, partial_capacity,
+            chunk_target, min_split_tokens, PAGE_SIZE, BLOCK_SPLITS)
     else:
         num_tasks, fits = _plan_splits(tasks_ptr, lens, active, mine, row, my_len, my_start, split,
-                                       task_capacity, BLOCK_ROWS, BLOCK_SPLITS)
+                                       task_capacity, partial_capacity, BLOCK_ROWS,
+                                       BLOCK_SPLITS)
         num_chunks = num_tasks * 0
     if row == 0:
         tl.store(info_ptr, tl.where(fits, num_tasks, 0))
@@ -200,11 +202,12 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
 
 @triton.jit
 def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity,
-                   chunk_target, min_split_tokens, PAGE_SIZE: tl.constexpr,
+                   partial_capacity, chunk_target, min_split_tokens, PAGE_SIZE: tl.constexpr,
                    BLOCK_SPLITS: tl.constexpr):
     """The balanced rule (schedule.py): the rows' pages end to end, in chunks of
-    max(min_split_tokens, total / chunk_target) pages. Returns (tasks, chunk tokens, chunks,
-    whether the tasks fit)."""
+    max(min_split_tokens, total / chunk_target) pages. A row cut in two or more segments has
+    slots for their partials, in row order. Returns (tasks, chunk tokens, chunks, whether the
+    tasks and their partials fit)."""
     pages = tl.where(active, tl.cdiv(lens, PAGE_SIZE), 0)
     total_pages = tl.sum(pages, axis=0)
     chunk = tl.maximum(tl.cdiv(tl.maximum(min_split_tokens, 1), PAGE_SIZE),
@@ -212,12 +215,13 @@ def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_ca
     off = tl.cumsum(pages, axis=0) - pages
     first_chunk = off // chunk
     segments = tl.where(active, (off + pages - 1) // chunk - first_chunk + 1, 0)
-    base = tl.cumsum(segments, axis=0) - segments
+    multi = tl.where(segments > 1, segments, 0)
+    base = tl.cumsum(multi, axis=0) - multi
     mid = active & (off % chunk != 0)                  # starts inside a chunk: a continuation
     mids_through = tl.cumsum(mid.to(tl.int32), axis=0)
     num_tasks = tl.sum(segments, axis=0)
     num_chunks = tl.cdiv(total_pages, chunk)
-    fits = num_tasks <= task_capacity
+    fits = (num_tasks <= task_capacity) & (tl.sum(multi, axis=0) <= partial_capacity)
     my_segments = tl.sum(tl.where(mine, segments, 0), axis=0)
     my_mid = tl.sum(tl.where(mine, mid.to(tl.int32), 0), axis=0) > 0
     my_mids = tl.sum(tl.where(mine, mids_through, 0), axis=0)
@@ -232,17 +236,18 @@ def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_ca
 
 @triton.jit
 def _plan_splits(tasks_ptr, lens, active, mine, row, my_len, my_start, split, task_capacity,
-                 BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+                 partial_capacity, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
     """Splits of `split` tokens: every row's splits but its last in row order, then the rows' last
-    splits, longest first. Returns (tasks, whether they fit)."""
+    splits, longest first; a row of two or more has slots for their partials, in row order.
+    Returns (tasks, whether the tasks and their partials fit)."""
     offs = tl.arange(0, BLOCK_ROWS)
     splits = tl.where(active, tl.cdiv(lens, split), 0)                          # [BLOCK_ROWS]
     num_tasks = tl.sum(splits, axis=0)
-    fits = num_tasks <= task_capacity
     full = tl.where(active, splits - 1, 0)            # splits of exactly `split` tokens
     first_full = tl.cumsum(full, axis=0) - full
     last_len = tl.where(active, lens - (splits - 1) * split, 0)
     multi = tl.where(splits > 1, splits, 0)
+    fits = (num_tasks <= task_capacity) & (tl.sum(multi, axis=0) <= partial_capacity)
     first_slot = tl.cumsum(multi, axis=0) - multi
 
     my_splits = tl.sum(tl.where(mine, splits, 0), axis=0)
