@@ -348,6 +348,13 @@ def test_long_tile_config_is_checked():
     assert KernelConfig(long_block_n=128).long_tile_tokens(kv_fp8=False) == 128
     assert KernelConfig(long_block_n=128).long_tile_tokens(kv_fp8=True) == 0   # fp8: its own tile
     assert KernelConfig().long_tile_tokens(kv_fp8=False) == 0
+    # past 16 tile rows (query tokens x group) one loop: the long tile for every task
+    cfg = KernelConfig(block_n=64, long_block_n=128)
+    assert [(cfg.tile_tokens(kv_fp8=False, tile_rows=n), cfg.long_tile_tokens(kv_fp8=False,
+                                                                              tile_rows=n))
+            for n in (8, 16, 17, 128)] == [(64, 128), (64, 128), (128, 0), (128, 0)]
+    assert cfg.tile_tokens(kv_fp8=True, tile_rows=32) == 64 and KernelConfig().tile_tokens(
+        kv_fp8=False, tile_rows=32) == 64
     with pytest.raises(ValueError, match="KernelConfig.long_block_n must be a power of two >= 16, "
                                          "got 96"):
         KernelConfig(long_block_n=96)

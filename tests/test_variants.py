@@ -64,15 +64,17 @@ def test_variants_with_several_queries(table_form):
            **VARIANTS["all"])
 
 
-@pytest.mark.parametrize("backend, split_pages", [("grouped", None), ("split", 6)])
-def test_variants_with_long_tiles(backend, split_pages):
+@pytest.mark.parametrize("backend, split_pages, q_lens", [
+    ("grouped", None, [4, 2, 3, 1]), ("split", 6, [4, 2, 3, 1]), ("split", 6, [4, 2, 5, 1])])
+def test_variants_with_long_tiles(backend, split_pages, q_lens):
     """Every variant and several queries a row with KernelConfig.long_block_n (as gpt-oss's
-    default): the windowed tasks of the long rows (about 100 tokens) take the long loop, the
-    short rows' the short one."""
+    default): at 4 queries x group 4 = 16 tile rows the windowed tasks of the long rows (about
+    100 tokens) take the long loop, the short rows' the short one; at 5 (20 rows) every task
+    takes the long tile (KernelConfig.tile_tokens)."""
     from persistentkv.tuning import KernelConfig
 
     case = make_case(seq_lens=[300, 9, 130, 33], **HEADS, seed=3)
-    _check(case, backend=backend, split_pages=split_pages, q_lens=[4, 2, 5, 1],
+    _check(case, backend=backend, split_pages=split_pages, q_lens=q_lens,
            window_left=100, logits_soft_cap=5.0, sinks=True,
            config=KernelConfig(block_n=16, long_block_n=32, long_from_tokens=64, num_stages=2))
 

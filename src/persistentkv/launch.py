@@ -237,15 +237,18 @@ class DecodeLauncher:
         fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, ws.row_lens, *strides,
                  plan.sm_scale * LOG2_E, q.shape[0], plan.window_left,
                  plan.logits_soft_cap or 1.0)
+        group = plan.num_qo_heads // plan.num_kv_heads
+        max_queries = 1 if plan.queries is None else plan.queries.max_per_row
+        tiles = dict(kv_fp8=fp8, tile_rows=max_queries * group)
         constexprs = decode_constexprs(
-            num_kv_heads=plan.num_kv_heads, group=plan.num_qo_heads // plan.num_kv_heads,
-            head_dim=plan.head_dim, page_size=plan.page_size, block_n=plan.config.tile_tokens(kv_fp8=fp8),
+            num_kv_heads=plan.num_kv_heads, group=group, head_dim=plan.head_dim,
+            page_size=plan.page_size, block_n=plan.config.tile_tokens(**tiles),
             return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(plan.config, q.device),
-            max_queries=1 if plan.queries is None else plan.queries.max_per_row,
+            max_queries=max_queries,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
             v_transposed=self.kv_layout == "HND_VT",
-            long_block_n=plan.config.long_tile_tokens(kv_fp8=fp8),
+            long_block_n=plan.config.long_tile_tokens(**tiles),
             long_from_tokens=plan.config.long_from_tokens)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace

@@ -114,15 +114,17 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
     if guard is not None:   # a trusted table: its copy, at every layer (no host state when traced)
         guard_pages(*guard.leading, *guard.fixed, k.shape[0], guard.page_size, guard.csr)
     queries = plan.queries
+    max_queries = 1 if queries is None else queries.max_per_row
+    tiles = dict(kv_fp8=k.dtype == FP8,
+                 tile_rows=max_queries * (plan.num_qo_heads // plan.num_kv_heads))
     return paged_decode(q, k, v, plan.indices,
                         plan.indices if queries is None else queries.indptr, sinks, kv_scales,
                         1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale,
                         ws.tasks, ws.info,
                         ws.part_o, ws.part_lse, ws.counters, ws.row_lens, strides, plan.sm_scale,
                         plan.num_kv_heads, plan.page_size, plan.programs,
-                        cfg.tile_tokens(kv_fp8=k.dtype == FP8),
-                        cfg.num_warps, cfg.num_stages,
-                        1 if queries is None else queries.max_per_row, plan.window_left,
+                        cfg.tile_tokens(**tiles), cfg.num_warps, cfg.num_stages, max_queries,
+                        plan.window_left,
                         plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT",
-                        cfg.max_registers, cfg.long_tile_tokens(kv_fp8=k.dtype == FP8),
+                        cfg.max_registers, cfg.long_tile_tokens(**tiles),
                         cfg.long_from_tokens)

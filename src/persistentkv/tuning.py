@@ -8,6 +8,10 @@ import functools
 from dataclasses import dataclass
 
 
+# tiles of more query rows than this take long_block_n for every task (KernelConfig.tile_tokens)
+LONG_TILE_MAX_ROWS = 16
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Tile and launch shape of the decode kernel.
@@ -50,13 +54,25 @@ class KernelConfig:
     long_block_n: int | None = None
     long_from_tokens: int = 2048
 
-    def tile_tokens(self, *, kv_fp8: bool) -> int:
-        """Tokens per K/V tile for a cache of this kind."""
-        return self.fp8_block_n or self.block_n if kv_fp8 else self.block_n
+    def tile_tokens(self, *, kv_fp8: bool, tile_rows: int = 1) -> int:
+        """Tokens per K/V tile for a cache of this kind and tiles of tile_rows query rows (query
+        tokens x group): long_block_n for every task past LONG_TILE_MAX_ROWS rows."""
+        if kv_fp8:
+            return self.fp8_block_n or self.block_n
+        return self.long_block_n if self._one_long_tile(tile_rows) else self.block_n
 
-    def long_tile_tokens(self, *, kv_fp8: bool) -> int:
-        """Tokens per K/V tile of a long task for a cache of this kind (0: none of its own)."""
-        return 0 if kv_fp8 or self.long_block_n is None else self.long_block_n
+    def long_tile_tokens(self, *, kv_fp8: bool, tile_rows: int = 1) -> int:
+        """Tokens per K/V tile of a long task for a cache of this kind and tiles of tile_rows
+        query rows (0: none of its own)."""
+        if kv_fp8 or self.long_block_n is None or self._one_long_tile(tile_rows):
+            return 0
+        return self.long_block_n
+
+    def _one_long_tile(self, tile_rows: int) -> bool:
+        """Tiles of more than LONG_TILE_MAX_ROWS rows read long_block_n tokens in every task:
+        the second loop's registers and shared memory cost more there than the short tile saves
+        (gpt-oss 64/8 at 4 and 16 queries a row: docs/perf-notes.md, v28)."""
+        return self.long_block_n is not None and tile_rows > LONG_TILE_MAX_ROWS
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm",
@@ -94,8 +110,8 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
     stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads
     (gpt-oss 64/8: geomean 1.024 -> 1.044x FlashInfer; v27: 64 for tasks under 1K tokens and 128
-    from there, in one kernel, 1.053 -> 1.058x in two runs, B4 zipf 0.92 -> 1.02x; an fp8 cache
-    keeps 128), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10% on its small, latency-bound
+    from there, in one kernel, 1.053 -> 1.058x in two runs, B4 zipf 0.92 -> 1.02x; 128 for every
+    task past 16 tile rows, v28: KernelConfig.tile_tokens; an fp8 cache keeps 128), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10% on its small, latency-bound
     cells, 1.093 -> 1.065x; v22: four stages there took its large steps by 2.2-2.4% and cost its
     mixed batches 1-6%, geomean 1.074 -> 1.065x, not kept; v27: 128 from 1K-token tasks took its
     two largest steps 1.6-2.7% and cost its other cells up to 6%, 255 registers against 168: not
