@@ -10,6 +10,7 @@ from paged_case import DEVICE, ON_GPU
 from persistentkv import (TOLERANCE, DecodeWrapper, PagedKVCache, PageTable, reference_decode,
                           relative_error)
 from persistentkv.bench.traces import make_trace, replay
+from persistentkv.checks import MAX_GROUP
 from persistentkv.policy import MAX_LEN_EDGES, ROW_EDGES, SPREAD_EDGES, Policy, StepFeatures
 from persistentkv.schedule import Choice
 from persistentkv.tuning import KernelConfig
@@ -248,14 +249,18 @@ def test_graph_mode_argument_checks():
     wide = StaticTable(width=MAX_PAGES // MAX_B + 1)                  # 4 x 17 > 64 entries
     with pytest.raises(ValueError, match="68 page entries, over max_num_pages=64"):
         w.plan(**wide.kwargs("block"), **HEADS)
-    # the buffers are sized at the first plan() (partials of 256 tasks of 8 heads, the least
-    # they grow by): a plan needing more is refused, here up to 128 one-page splits of 32 heads
-    w.plan(**static.kwargs("csr"), **HEADS)
+    # the buffers are sized at the first plan() (partials of at least 256 tasks of 8 heads; more
+    # on a GPU of many SMs): a later plan within them is taken, one needing more is refused. Up
+    # to 2 x 64 = 128 tasks of one-page splits have a partial here.
+    ws = w.plan(**static.kwargs("csr"), **HEADS).workspace
+    assert ws.partial_capacity(partial_heads=16, head_dim=64, kv_heads=2) >= 128
     w.plan(**static.kwargs("csr"), **{**HEADS, "num_qo_heads": 16}, backend="split",
            split_pages=1)
+    widest = dict(num_qo_heads=2 * MAX_GROUP, head_dim=256)
+    assert ws.partial_capacity(partial_heads=widest["num_qo_heads"], head_dim=256,
+                               kv_heads=2) < 128
     with pytest.raises(ValueError, match="sized its buffers at the first plan"):
-        w.plan(**static.kwargs("csr"), **{**HEADS, "num_qo_heads": 32}, backend="split",
-               split_pages=1)
+        w.plan(**static.kwargs("csr"), **{**HEADS, **widest}, backend="split", split_pages=1)
 
 
 @pytest.mark.gpu
