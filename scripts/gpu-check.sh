@@ -8,7 +8,7 @@
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|tp8long|gemma2window|e2e ...]
+#                                        longtiles|tp8long|gemma2window|q16floor|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in seven parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -42,7 +42,9 @@
 # gpt-oss-tp8's small cells ran 2-6% slower with the long tiles compiled in (v27), the long
 # tiles under a register cap of 200 and at two stages beside the default, twice;
 # gemma2window: gemma2-9b's windowed large steps, 64-token tiles at two stages and the fixed
-# schedules beside the rule (v22: 0.90-0.98x);
+# schedules beside the rule (v22: 0.90-0.98x); q16floor: gpt-oss at 16 queries a row (128 tile
+# rows) with smaller split floors than the rule's 512 tokens there, twice (v28: B1 at 0.55x
+# FlashInfer's prefill, 16 tasks on B1 L1K);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -258,6 +260,14 @@ for step in $steps; do
                              )fi-cuda-core,fi-tensor-core" \
                  --out "$out/gemma2window" --tag gemma2window > "$out/gemma2window/log.txt" 2>&1
                tail -1 "$out/gemma2window/log.txt" ;;
+    q16floor)  mkdir -p "$out/q16floor"   # gpt-oss, 16 queries a row: the split floor
+               for i in 1 2; do   # twice, for the noise
+                 timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B4 zipf,B32 L1K" \
+                   --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,fi-prefill \
+                   --out "$out/q16floor" --tag "q16floor-$i" > "$out/q16floor/q16floor-$i-log.txt" 2>&1
+                 tail -1 "$out/q16floor/q16floor-$i-log.txt"
+               done ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
