@@ -257,7 +257,7 @@ def test_graph_mode_argument_checks():
     w.plan(**static.kwargs("csr"), **{**HEADS, "num_qo_heads": 16}, backend="split",
            split_pages=1)
     widest = dict(num_qo_heads=2 * MAX_GROUP, head_dim=256)
-    assert ws.partial_capacity(partial_heads=widest["num_qo_heads"], head_dim=256,
+    assert ws.partial_capacity(partial_heads=widest["num_qo_heads"], head_dim=widest["head_dim"],
                                kv_heads=2) < 128
     with pytest.raises(ValueError, match="sized its buffers at the first plan"):
         w.plan(**static.kwargs("csr"), **{**HEADS, **widest}, backend="split", split_pages=1)
