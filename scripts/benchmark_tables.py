@@ -120,7 +120,7 @@ def shapes_table(paths) -> str:
     cases = list(dict.fromkeys(c for _, _, cs in grids for c in cs))
     out = ["| case | " + " | ".join(f"{name} (auto / FI us)" for name, _, _ in grids) + " |",
            "|---|" + "---|" * len(grids)]
-    logs, below = [], 0
+    logs, below, pairs = [], 0, []
     for case in cases:
         cells = []
         for _, by, _ in grids:
@@ -130,12 +130,40 @@ def shapes_table(paths) -> str:
                 continue
             ratio = fi["graph_us_per_layer"] / ours["graph_us_per_layer"]
             logs.append(math.log(ratio))
+            pairs.append((ratio, fi["fraction_of_ceiling"]))
             below += ratio < 0.995
             cells.append(f"{ratio:.2f}x ({ours['graph_us_per_layer']:.1f} / {fi['graph_us_per_layer']:.1f})")
         out.append(f"| {case} | " + " | ".join(cells) + " |")
     out.append(f"\nGeometric mean {math.exp(sum(logs) / len(logs)):.3f}x over {len(logs)} (case, "
                f"preset) pairs; {below} under 0.995x.")
+    out.append(ceiling_headroom(pairs))
     return "\n".join(out)
+
+
+# FlashInfer's best at this fraction of the ceiling or more: the pair is bandwidth-bound
+BANDWIDTH_BOUND = 0.85
+
+
+def ceiling_headroom(pairs, *, bar: float = 1.10) -> str:
+    """What the ceiling leaves of a geometric-mean bar. pairs: (ours / FI best speedup, FI best's
+    fraction of the ceiling) per (case, preset). A bandwidth-bound pair can gain at most
+    1 / fraction (our step at the ceiling exactly); the sentence gives the geometric means of
+    both kinds of pair, the most the bandwidth-bound ones allow, and what the others then need
+    for `bar` over the whole matrix."""
+    bound = [(r, f) for r, f in pairs if f >= BANDWIDTH_BOUND]
+    other = [r for r, f in pairs if f < BANDWIDTH_BOUND]
+
+    def gmean(xs):
+        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+    at_ceiling = gmean([1 / f for _, f in bound])
+    text = (f"{len(bound)} pairs bandwidth-bound (FlashInfer at >= {BANDWIDTH_BOUND:.0%} of the "
+            f"ceiling): {gmean([r for r, _ in bound]):.3f}x, at most {at_ceiling:.3f}x were our "
+            f"step at the ceiling; the other {len(other)}: {gmean(other):.3f}x")
+    if bound and other:
+        n = len(bound) + len(other)
+        need = math.exp((n * math.log(bar) - len(bound) * math.log(at_ceiling)) / len(other))
+        text += f", and they would need {need:.3f}x for {bar:.2f}x over the matrix"
+    return text + "."
 
 
 # issue bars for several queries per row: q_len 4 within 1.10x of one query, q_len 8 within 1.5x

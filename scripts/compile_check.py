@@ -131,7 +131,8 @@ def main():
                              "(programmatic dependent launch: griddepcontrol.wait first)")
     parser.add_argument("--max-registers", type=int, default=None,
                         help="KernelConfig.max_registers (Triton's maxnreg) of the default config")
-    parser.add_argument("--shape", help="one shape, 'group,head_dim' (e.g. 8,64)")
+    parser.add_argument("--shape", help="one shape, 'group,head_dim[,queries]' (e.g. 8,64 or "
+                                        "8,64,16: 16 query tokens a row)")
     parser.add_argument("--config", default="",
                         help="KernelConfig fields over the shape's default, e.g. "
                              "'block_n=64,long_block_n=128' (long_block_n=0: none)")
@@ -141,8 +142,8 @@ def main():
     if args.queries:
         shapes = tuple((4, 128, n) for n in (2, 4, 8, 16))
     if args.shape:
-        group, head_dim = (int(x) for x in args.shape.split(","))
-        shapes = ((group, head_dim, 1),)
+        group, head_dim, *queries = (int(x) for x in args.shape.split(","))
+        shapes = ((group, head_dim, queries[0] if queries else 1),)
     fields = {k: int(v) for k, v in (f.split("=") for f in args.config.split(",") if f)}
     if fields.get("long_block_n") == 0:   # off, as the bench's ':longblockn0'
         fields["long_block_n"] = None

@@ -43,8 +43,8 @@
 # tiles under a register cap of 200 and at two stages beside the default, twice;
 # gemma2window: gemma2-9b's windowed large steps, 64-token tiles at two stages and the fixed
 # schedules beside the rule (v22: 0.90-0.98x); q16floor: gpt-oss at 16 queries a row (128 tile
-# rows) with smaller split floors than the rule's 512 tokens there, twice (v28: B1 at 0.55x
-# FlashInfer's prefill, 16 tasks on B1 L1K);
+# rows) with smaller split floors than the rule's 512 tokens there, and with 8 warps (no spill
+# there), twice (v28: B1 at 0.55x FlashInfer's prefill, 16 tasks on B1 L1K);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -262,9 +262,9 @@ for step in $steps; do
                tail -1 "$out/gemma2window/log.txt" ;;
     q16floor)  mkdir -p "$out/q16floor"   # gpt-oss, 16 queries a row: the split floor
                for i in 1 2; do   # twice, for the noise
-                 timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
+                 timeout 300 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
                    --cells "B1 L1K,B1 L8K,B4 L1K,B4 zipf,B32 L1K" \
-                   --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,fi-prefill \
+                   --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,pkv-auto:warps8,pkv-auto:warps8:minsplit32,fi-prefill \
                    --out "$out/q16floor" --tag "q16floor-$i" > "$out/q16floor/q16floor-$i-log.txt" 2>&1
                  tail -1 "$out/q16floor/q16floor-$i-log.txt"
                done ;;
