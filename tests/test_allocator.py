@@ -32,6 +32,17 @@ def test_free_returns_pages_for_reuse():
     assert set(alloc.sequence(2).pages) == set(range(4)) and taken < set(range(4))
 
 
+def test_free_pages_lists_the_pages_in_the_order_appends_take_them():
+    alloc = PageAllocator(6, 2, shuffle_seed=3)
+    order = alloc.free_pages
+    assert sorted(order) == list(range(6))
+    alloc.add("a")
+    alloc.append("a", 5)                                      # 3 pages, the first three listed
+    assert alloc.sequence("a").pages == list(order[:3]) and alloc.free_pages == order[3:]
+    alloc.free("a")                                           # back on top, in their order
+    assert alloc.free_pages == order
+
+
 def test_out_of_pages_changes_nothing():
     alloc = PageAllocator(3, 8)
     alloc.add("x")

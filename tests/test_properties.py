@@ -136,7 +136,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert sorted(alloc.sequence_ids) == sorted(self.lengths)
         owned = [p for sid in alloc.sequence_ids for p in alloc.sequence(sid).pages]
         assert len(owned) == len(set(owned)), "a page is owned twice"
-        free = list(alloc._free)   # the free list itself: no page may be lost or duplicated
+        free = list(alloc.free_pages)   # the free list itself: no page may be lost or duplicated
         assert len(free) == alloc.num_free_pages
         assert sorted(owned + free) == list(range(alloc.num_pages))
 

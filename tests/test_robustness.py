@@ -171,7 +171,7 @@ def test_a_failed_append_changes_nothing(monkeypatch):
     cache = _small_cache()
     cache.add_sequence(0)
     k = torch.ones(2, 3, 1, 16, dtype=torch.float16)
-    free_before = list(cache.allocator._free)
+    free_before = cache.allocator.free_pages
     for bad, error, match in ((k.numpy(), TypeError, "k must be a torch.Tensor, got ndarray"),
                               (k.to("meta"), ValueError, "k is on the meta device"),
                               (k[:, :, :, :8], ValueError, r"k must be \[num_layers")):
@@ -183,7 +183,7 @@ def test_a_failed_append_changes_nothing(monkeypatch):
     with pytest.raises(RuntimeError, match="device lost"):
         cache.append(0, k, k)
     assert cache.seq_len(0) == 0 and cache.allocator.sequence(0).pages == []
-    assert cache.allocator._free == free_before
+    assert cache.allocator.free_pages == free_before
     assert all((pool == 0).all() for pool in cache.pools)
 
 

@@ -43,6 +43,11 @@ class PageAllocator:
     def num_free_pages(self) -> int:
         return len(self._free)
 
+    @property
+    def free_pages(self) -> tuple[int, ...]:
+        """The free list, in the order appends take its pages (the next page first)."""
+        return tuple(reversed(self._free))
+
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
 
