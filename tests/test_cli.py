@@ -34,6 +34,12 @@ from persistentkv.cli import main
     (["bench", "--page-size", "0"], "page_size must be >= 1, got 0"),
     (["evaluate", "--num-qo-heads", "12", "--num-kv-heads", "8"],
      "num_qo_heads=12 must be a multiple of num_kv_heads=8"),
+    (["explain", "--cell", "B1 L1K", "--seq-lens", "100"], "give one of --cell NAME"),
+    (["explain", "--seq-lens", "100,x"], "--seq-lens must be comma-separated ints, got '100,x'"),
+    (["explain", "--seq-lens", "100,0"], "seq_lens must be one or more positive lengths"),
+    (["explain", "--cell", "B1 L1K", "--q-len", "17"], "q_len must be an int in [1, 16], got 17"),
+    (["explain", "--cell", "B1 L1K", "--num-sms", "0"], "num_sms must be >= 1, got 0"),
+    (["explain", "--cell", "B1 L1K", "--backend", "fi-xqa"], "backend must be one of"),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2
@@ -125,3 +131,33 @@ def test_presets_give_the_model_shapes():
     assert MODEL_PRESETS["qwen2.5-7b"] == (28, 4, 128) and MODEL_PRESETS["gemma2-9b"] == (16, 8, 256)
     with pytest.raises(ValueError, match="preset must be one of"):
         ModelShape.of("llama5")
+
+
+def test_explain_reports_the_tasks_of_a_given_split(capsys):
+    """Splits of 4 pages (64 tokens) of rows of 1000 and 100 tokens: 16 + 2 tasks a KV head, the
+    last of each row short (1000 - 15 * 64 = 40, 100 - 64 = 36 tokens), on 2 programs an SM."""
+    assert main(["explain", "--seq-lens", "1000,100", "--backend", "pkv-split@4",
+                 "--num-sms", "50", "--preset", "llama3-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "choice split@4 (given" in out and "split 64 tokens" in out
+    assert "18 tasks a KV head (144 items on 100 programs: 1.44 rounds)" in out
+    assert "2 rows cut, at most 16 splits a row" in out
+    assert "tokens a task: min 36, median 64, max 64" in out
+    assert "tile: 4 query rows (G_PAD 16), 64-token K/V tiles, 4 warps, 3 stages" in out
+
+
+def test_explain_counts_the_tile_rows_and_the_split_floor_of_many_queries(capsys):
+    """gpt-oss (group 8) at 16 queries a row: 128 tile rows, whose splits are at least
+    min_split_tokens x 128 // 32 tokens (schedule.min_split_tokens): 512 by default, so a 1K row
+    is 2 tasks a KV head; 128 with min_split_tokens 32."""
+    from persistentkv.schedule import MIN_SPLIT_TILE_ROWS
+    from persistentkv.tuning import default_config
+
+    floor = default_config(head_dim=64, num_kv_heads=8).min_split_tokens * 128 // MIN_SPLIT_TILE_ROWS
+    for backend, split in (("pkv-split", floor), ("pkv-split:minsplit32", 32 * 128 // MIN_SPLIT_TILE_ROWS)):
+        assert main(["explain", "--cell", "B1 L1K", "--preset", "gpt-oss", "--q-len", "16",
+                     "--backend", backend]) == 0
+        out = capsys.readouterr().out
+        assert f"split {split} tokens" in out
+        assert f"{1024 // split} tasks a KV head ({8 * 1024 // split} items on 264 programs" in out
+        assert "tile: 128 query rows (G_PAD 128)" in out

@@ -289,3 +289,25 @@ def test_sm_scale_must_be_a_real_number(scale):
     case = make_case(seq_lens=[5], **HEADS)
     with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
         DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **HEADS, sm_scale=scale)
+
+
+@pytest.mark.parametrize("num_sms, error, match", [(0, ValueError, "num_sms must be >= 1, got 0"),
+                                                   (True, TypeError, "num_sms"),
+                                                   ("8", TypeError, "num_sms")])
+def test_num_sms_is_a_positive_int(num_sms, error, match):
+    with pytest.raises(error, match=match):
+        DecodeWrapper("NHD", num_sms=num_sms)
+
+
+def test_num_sms_sizes_the_grid_and_the_split_rule():
+    """Plans for 3 and 5 SMs: 2 programs an SM, and the split rule's waves x SMs / KV heads = 3
+    and 5 tasks a KV head for a row of 2000 tokens, each checked against the reference."""
+    case = make_case(seq_lens=[2000], **HEADS)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout=case.layout, **csr_kwargs(case.table))
+    for sms in (3, 5):
+        wrapper = DecodeWrapper(case.layout, num_sms=sms)
+        plan = wrapper.plan(**csr_kwargs(case.table), **HEADS, backend="split")
+        assert plan.programs == 2 * sms and plan.info()["num_tasks"] == sms
+        out = torch.full_like(case.q, float("nan"))
+        wrapper.run(case.q, case.kv_cache, out=out)
+        assert relative_error(out, ref) <= TOLERANCE[torch.float16]

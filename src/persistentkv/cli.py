@@ -230,6 +230,37 @@ def cmd_layer_chain(args: argparse.Namespace) -> int:
                            seed=args.seed, out_dir=Path(args.out), tag=args.tag)
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    device = choose_device()
+    from .bench.backends import pkv_backend_config
+    from .bench.explain import explain_step
+    from .bench.suite import grid_cases
+
+    shape = model_shape(args)
+    if (args.cell is None) == (args.seq_lens is None):
+        raise ValueError("give one of --cell NAME (a grid cell) and --seq-lens N[,N...]")
+    if args.cell is not None:
+        (name, lens), = grid_cases([args.cell])
+    else:
+        try:
+            lens = [int(n) for n in args.seq_lens.split(",")]
+        except ValueError:
+            raise ValueError(f"--seq-lens must be comma-separated ints, got {args.seq_lens!r}") \
+                from None
+        name = f"B{len(lens)} of {min(lens)}-{max(lens)} tokens"
+    backend, split_pages, config = pkv_backend_config(args.backend, head_dim=shape.head_dim,
+                                                      num_kv_heads=shape.num_kv_heads)
+    report = explain_step(lens, shape=shape, num_sms=args.num_sms, gpu_name=args.gpu,
+                          q_len=args.q_len, backend=backend, split_pages=split_pages,
+                          config=config, device=device)
+    print(f"{name}, {shape.num_qo_heads}/{shape.num_kv_heads}/{shape.head_dim}, "
+          f"{args.q_len} {'query' if args.q_len == 1 else 'queries'} a row, {args.backend} "
+          f"on {args.num_sms} SMs:")
+    for line in report.lines():
+        print(f"  {line}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="persistentkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_shape_arguments(sweep)
     sweep.add_argument("--out", default="results/sweep.json")
     sweep.set_defaults(func=cmd_sweep)
+
+    explain = sub.add_parser("explain", help="what plan() makes of a step on a GPU of N SMs: "
+                                             "the choice, tasks, rounds and tile (runs on the "
+                                             "CPU; nothing timed)")
+    explain.add_argument("--cell", help="a grid cell of `bench --grid`, e.g. 'B1 L1K', 'B8 zipf'")
+    explain.add_argument("--seq-lens", help="the rows' lengths in tokens, e.g. 1024,30000")
+    explain.add_argument("--q-len", type=int, default=1, help="query tokens a row (1-16)")
+    explain.add_argument("--backend", default="pkv-auto",
+                         help="one of ours, as bench names them, e.g. pkv-split@16, "
+                              "pkv-auto:minsplit32")
+    explain.add_argument("--num-sms", type=int, default=132, help="SMs of the GPU (H200: 132)")
+    explain.add_argument("--gpu", default="NVIDIA H200", help="the GPU whose shipped policy decides")
+    add_shape_arguments(explain)
+    explain.set_defaults(func=cmd_explain)
 
     from .bench.adaptive import CALIBRATION_SEEDS, CANDIDATES, HELD_OUT_SEEDS   # (no triton)
 

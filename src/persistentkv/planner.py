@@ -162,12 +162,14 @@ class DecodePlan:
 
 class Planner:
     """Plans steps for one DecodeWrapper. With fixed_rows (graph mode) the buffers are sized once,
-    for fixed_rows rows and fixed_pages pages, so a captured plan + run serves every later step."""
+    for fixed_rows rows and fixed_pages pages, so a captured plan + run serves every later step.
+    num_sms: the SMs the plans fill (None: the device's)."""
 
     def __init__(self, *, policy: Policy | None, fixed_rows: int | None = None,
-                 fixed_pages: int | None = None):
+                 fixed_pages: int | None = None, num_sms: int | None = None):
         self.policy = policy
         self.fixed_rows, self.fixed_pages = fixed_rows, fixed_pages
+        self.num_sms = num_sms
         self.workspace: Workspace | None = None
         self._launcher = Launcher(plan_kernel)
         self._policy_tensors: dict = {}
@@ -176,6 +178,10 @@ class Planner:
         self._bound: dict = {}             # planner launches by options, table form, workspace
         # the last plan: (tensors, shapes, options, plan, planner launch, its leading tensors)
         self._memo: tuple | None = None
+
+    def sms(self, device: torch.device) -> int:
+        """The SMs the plans on `device` fill."""
+        return self.num_sms or sm_count(device)
 
     def replan(self, tensors: tuple, options: PlanOptions) -> DecodePlan | None:
         """The last plan again when `tensors` are the last plan's page-table tensors (the same
@@ -248,7 +254,7 @@ class Planner:
                 self._bound.clear()
             launch = self._bound[bind_key] = self._bind(options, table, ws, fixed_tail, block_rows,
                                                         align, q_pad)
-        programs = min(options.config.programs_per_sm * sm_count(device),
+        programs = min(options.config.programs_per_sm * self.sms(device),
                        ws.capacity * options.num_kv_heads)
         guard = None if options.check_page_table else PageGuard(
             table, safe=ws.safe_pages, info=ws.info, page_size=options.page_size)
@@ -276,7 +282,7 @@ class Planner:
         with the policy bins it decides (Policy.code_bins), the split rule's task target, a
         balanced plan's chunks per KV head, and the planner's fixed arguments after the
         workspace buffers."""
-        cfg, sms = options.config, sm_count(device)
+        cfg, sms = options.config, self.sms(device)
         target = split_task_target(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
         chunks = chunks_per_head(programs=cfg.programs_per_sm * sms,
                                  num_kv_heads=options.num_kv_heads)

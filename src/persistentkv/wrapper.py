@@ -43,13 +43,16 @@ class DecodeWrapper:
     replay; rows with no pages (CSR) or seq_lens 0 are inactive and their output rows are left
     untouched (in every mode). max_queries_per_row: the tile's query tokens per row of a
     plan(qo_indptr=...) (default 1: sized by each batch; graph mode and deterministic mode need
-    it fixed). policy: for backend="auto"; default: the one shipped for the GPU.
+    it fixed). policy: for backend="auto"; default: the one shipped for the GPU. num_sms: the SMs
+    the plans fill (default: the device's; FlashAttention-3's sm_margin is the same knob counted
+    the other way): fewer where kernels on another stream share the GPU with the decode step,
+    or, on the CPU, a GPU's count, to see the plans it would get.
     """
 
     def __init__(self, kv_layout: str = "NHD", *, device: torch.device | str | None = None,
                  use_cuda_graph: bool = False, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, max_queries_per_row: int = 1,
-                 policy: Policy | None = None):
+                 policy: Policy | None = None, num_sms: int | None = None):
         self.kv_layout = check_layout(kv_layout)
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a persistentkv.policy.Policy, got "
@@ -70,7 +73,11 @@ class DecodeWrapper:
                              f"{max_queries_per_row}")
         self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
         self.max_queries_per_row = max_queries_per_row
-        self._planner = Planner(policy=policy, fixed_rows=max_batch_size, fixed_pages=max_num_pages)
+        if num_sms is not None:
+            num_sms = check_positive_int("num_sms", num_sms)
+        self.num_sms = num_sms
+        self._planner = Planner(policy=policy, fixed_rows=max_batch_size, fixed_pages=max_num_pages,
+                                num_sms=num_sms)
         self._launcher = DecodeLauncher(self.kv_layout)
         self._options: dict[tuple, PlanOptions] = {}
         self._plan: DecodePlan | None = None

@@ -435,6 +435,20 @@ def _pkv_variant(name: str) -> tuple[str, int | None, dict] | None:
     return backend, int(pages) if at else None, overrides
 
 
+def pkv_backend_config(name: str, *, head_dim: int, num_kv_heads: int
+                       ) -> tuple[str, int | None, KernelConfig]:
+    """One of our backends' names -> (plan()'s backend, split_pages, the KernelConfig it runs):
+    'pkv-auto:minsplit32' -> ('auto', None, the shape's default with min_split_tokens 32)."""
+    parsed = _pkv_variant(name)
+    if parsed is None:
+        raise ValueError(f"backend must be one of {list(PKV_BACKENDS)} as pkv-NAME[@PAGES]"
+                         f"[:<key><value>...], key one of {list(CONFIG_SUFFIXES)}; got {name!r}")
+    backend, pages, overrides = parsed
+    base = default_config(head_dim=head_dim, num_kv_heads=num_kv_heads)
+    return backend, pages, _with_overrides(base, overrides, head_dim=head_dim,
+                                           num_kv_heads=num_kv_heads)
+
+
 def make_backends(names: list[str], *, layout: str, device: torch.device,
                   policy: Policy | None = None) -> tuple[list[Backend], dict[str, str]]:
     """Build the named backends; returns (backends, {name: why it was skipped}).
