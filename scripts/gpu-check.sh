@@ -8,7 +8,7 @@
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|tp8long|gemma2window|q16floor|e2e ...]
+#                                        longtiles|tp8long|gemma2window|q16floor|tp8small|e2e ...]
 # (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in seven parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
@@ -44,7 +44,9 @@
 # gemma2window: gemma2-9b's windowed large steps, 64-token tiles at two stages and the fixed
 # schedules beside the rule (v22: 0.90-0.98x); q16floor: gpt-oss at 16 queries a row (128 tile
 # rows) with smaller split floors than the rule's 512 tokens there, and with 8 warps (no spill
-# there), twice (v28: B1 at 0.55x FlashInfer's prefill, 16 tasks on B1 L1K);
+# there), twice (v28: B1 at 0.55x FlashInfer's prefill, 16 tasks on B1 L1K); tp8small:
+# gpt-oss-tp8's small cells under 1.00x with larger splits, whole rows and chunks, twice (v27: B8
+# L4K 0.94x, 256 tasks of 128 tokens);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -267,6 +269,14 @@ for step in $steps; do
                    --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,pkv-auto:warps8,pkv-auto:warps8:minsplit32,fi-prefill \
                    --out "$out/q16floor" --tag "q16floor-$i" > "$out/q16floor/q16floor-$i-log.txt" 2>&1
                  tail -1 "$out/q16floor/q16floor-$i-log.txt"
+               done ;;
+    tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
+               for i in 1 2; do   # twice, for the noise
+                 timeout 250 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
+                   --cells "B8 L4K,B8 L8K,B4 zipf,B128 L1K" \
+                   --backends pkv-auto,pkv-split@16,pkv-split@32,pkv-grouped,pkv-balanced,fi-cuda-core,fi-tensor-core,fi-xqa \
+                   --out "$out/tp8small" --tag "tp8small-$i" > "$out/tp8small/tp8small-$i-log.txt" 2>&1
+                 tail -1 "$out/tp8small/tp8small-$i-log.txt"
                done ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
