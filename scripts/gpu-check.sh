@@ -266,7 +266,7 @@ for step in $steps; do
                for i in 1 2; do   # twice, for the noise
                  timeout 300 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
                    --cells "B1 L1K,B1 L8K,B4 L1K,B4 zipf,B32 L1K" \
-                   --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,pkv-auto:warps8,pkv-auto:warps8:minsplit32,fi-prefill \
+                   --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,pkv-auto:warps8,pkv-auto:warps8:minsplit32,pkv-auto:longblockn0,fi-prefill \
                    --out "$out/q16floor" --tag "q16floor-$i" > "$out/q16floor/q16floor-$i-log.txt" 2>&1
                  tail -1 "$out/q16floor/q16floor-$i-log.txt"
                done ;;
