@@ -153,8 +153,9 @@ def test_explain_counts_the_tile_rows_and_the_split_floor_of_many_queries(capsys
     from persistentkv.schedule import MIN_SPLIT_TILE_ROWS
     from persistentkv.tuning import default_config
 
-    floor = default_config(head_dim=64, num_kv_heads=8).min_split_tokens * 128 // MIN_SPLIT_TILE_ROWS
-    for backend, split in (("pkv-split", floor), ("pkv-split:minsplit32", 32 * 128 // MIN_SPLIT_TILE_ROWS)):
+    rows_over = 128 // MIN_SPLIT_TILE_ROWS
+    floor = default_config(head_dim=64, num_kv_heads=8).min_split_tokens * rows_over
+    for backend, split in (("pkv-split", floor), ("pkv-split:minsplit32", 32 * rows_over)):
         assert main(["explain", "--cell", "B1 L1K", "--preset", "gpt-oss", "--q-len", "16",
                      "--backend", backend]) == 0
         out = capsys.readouterr().out

@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one of ours, as bench names them, e.g. pkv-split@16, "
                               "pkv-auto:minsplit32")
     explain.add_argument("--num-sms", type=int, default=132, help="SMs of the GPU (H200: 132)")
-    explain.add_argument("--gpu", default="NVIDIA H200", help="the GPU whose shipped policy decides")
+    explain.add_argument("--gpu", default="NVIDIA H200",
+                         help="the GPU whose shipped policy decides")
     add_shape_arguments(explain)
     explain.set_defaults(func=cmd_explain)
 

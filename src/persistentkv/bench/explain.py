@@ -68,7 +68,8 @@ def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_na
     """Plan one step of rows of `seq_lens` tokens (each with q_len queries) as a GPU of num_sms
     SMs would, with the policy shipped for gpu_name at the shape, and report it."""
     device = torch.device(device)
-    if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= MAX_QUERIES_PER_ROW:
+    if isinstance(q_len, bool) or not isinstance(q_len, int) \
+            or not 1 <= q_len <= MAX_QUERIES_PER_ROW:
         raise ValueError(f"q_len must be an int in [1, {MAX_QUERIES_PER_ROW}], got {q_len!r}")
     lens = [int(n) for n in seq_lens]
     if not lens or min(lens) < 1:
@@ -115,7 +116,8 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
                                elem_size=1 if fp8 else 2)
     long_tile = config.long_tile_tokens(kv_fp8=fp8, tile_rows=rows)
     return StepPlanReport(
-        choice=str(info["choice"]), decided_by=decided_by, policy_bin=features.bin(), split_tokens=info["split_tokens"],
+        choice=str(info["choice"]), decided_by=decided_by, policy_bin=features.bin(),
+        split_tokens=info["split_tokens"],
         tasks=info["num_tasks"], rows_cut=int((splits > 1).sum()), most_splits=int(splits.max()),
         task_tokens=(int(tokens.min()), int(np.median(tokens)), int(tokens.max())),
         items=items, programs=plan.programs, rounds=1.0 if chunks else items / plan.programs,
