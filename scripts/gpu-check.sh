@@ -9,7 +9,8 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|e2e ...]
-# (default: tests sanitize grid calibrate evaluate). Each step has its own time limit, so one slow
+# (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
+# Each step has its own time limit, so one slow
 # step cannot take the others' results with it. tests: the suite in seven parallel pytest processes
 # (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
 # policy per preset of $PRESETS (default the shapes without a shipped one), fitted and judged on
@@ -58,6 +59,7 @@ steps=${*:-tests sanitize grid calibrate evaluate}
 backends=pkv-grouped,pkv-split,pkv-balanced,pkv-auto,fi-cuda-core,fi-tensor-core,fi-xqa
 kernel_tests='g4-d128-p16-mixed and fp16 or merge_of_many'
 status=0
+repeats=${RUNS:-1 2}   # the runs of the steps that run twice, for the noise (RUNS="2": the second alone)
 for step in $steps; do
   echo "== $step"
   case $step in
@@ -122,13 +124,13 @@ for step in $steps; do
                  timeout 200 python3 -m persistentkv.cli layer-chain $shape --out "$out" \
                    > "$out/layer-chain-log.txt" 2>&1; tail -3 "$out/layer-chain-log.txt"
                done
-               for i in 1 2; do   # twice, for the noise
+               for i in $repeats; do   # twice, for the noise
                  timeout 200 python3 -m persistentkv.cli bench --grid --cells "B1 L1K,B8 L1K,B8 L8K" \
                    --backends pkv-auto,pkv-auto:pdl1 --out "$out" --tag pdl-alone-$i \
                    > "$out/pdl-alone-log.txt" 2>&1; tail -1 "$out/pdl-alone-log.txt"
                done ;;
     d256)      mkdir -p "$out/d256"
-               for i in 1 2; do   # twice, for the noise
+               for i in $repeats; do   # twice, for the noise
                  timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
                    --cells "B8 bimodal,B8 uniform,B8 zipf,B4 bimodal,B8 L8K,B1 L32K" \
                    --backends pkv-auto,pkv-auto:blockn64:stages2,pkv-auto:blockn16:stages4,pkv-auto:pps3:waves3,fi-cuda-core,fi-tensor-core \
@@ -157,7 +159,7 @@ for step in $steps; do
                done ;;
     longsplit) mkdir -p "$out/longsplit"
                for p in ${PRESETS:-qwen2.5-7b llama3-70b-tp4 llama3-70b-tp8}; do
-                 for i in 1 2; do   # twice, for the noise
+                 for i in $repeats; do   # twice, for the noise
                    timeout 200 python3 -m persistentkv.cli bench --grid --preset "$p" \
                      --cells "B4 L128K,B8 L128K,B32 L32K,B32 L128K,B128 L32K" \
                      --backends pkv-auto,pkv-auto:balfrom0,fi-tensor-core --out "$out/longsplit" \
@@ -169,7 +171,7 @@ for step in $steps; do
                cells="B1 L32K,B1 L128K,B4 L32K,B8 L1K,B8 L8K,B8 L32K,B8 L128K,B32 L8K,B16 mix"
                timeout 200 python3 -m persistentkv.cli bench --grid --cells "$cells" \
                  --backends pkv-auto --out "$out/fp8vt" --tag fp16 > "$out/fp8vt/fp16-log.txt" 2>&1
-               for i in 1 2; do
+               for i in $repeats; do
                  for g in tensor token; do
                    for layout in HND HND_VT; do
                      timeout 200 python3 -m persistentkv.cli bench --grid --kv-fp8 $g --layout $layout \
@@ -196,7 +198,7 @@ for step in $steps; do
                  tail -1 "$out/qsplits/qsplits-q$q-log.txt"
                done ;;
     tp8tiles)  mkdir -p "$out/tp8tiles"   # gpt-oss-tp8 (8/1/64): deeper pipelines at 64 tokens
-               for i in 1 2; do   # twice, for the noise
+               for i in $repeats; do   # twice, for the noise
                  timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
                    --cells "B32 L128K,B128 L32K,B8 L32K,B128 L1K,B8 L4K,B1 L8K,B4 zipf" \
                    --backends pkv-auto,pkv-auto:stages4,pkv-auto:stages5,pkv-auto:blockn128:stages2,fi-tensor-core,fi-xqa \
@@ -212,7 +214,7 @@ for step in $steps; do
                  cut -c1-300 "$out/stepparts/stepparts-$p-log.txt" | tail -3
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's
-               for i in 1 2; do
+               for i in $repeats; do
                  for b in pkv-auto pkv-auto,fi-xqa; do
                    timeout 120 python3 -m persistentkv.cli bench --grid --preset llama3-70b-tp8 \
                      --cells "B128 L1K,B32 L1K,B8 L4K" --backends $b --out "$out/benchorder" \
@@ -248,7 +250,7 @@ for step in $steps; do
                  --out "$out/longtiles" --tag gpt-oss > "$out/longtiles/gpt-oss-log.txt" 2>&1 || status=1 ;;
     tp8long)   mkdir -p "$out/tp8long"   # gpt-oss-tp8: what the long tiles cost its small cells
                long=pkv-auto:longblockn128:longfrom1024
-               for i in 1 2; do   # twice, for the noise
+               for i in $repeats; do   # twice, for the noise
                  timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
                    --cells "B1 L1K,B4 L1K,B8 L1K,B8 L8K,B4 zipf,B32 L8K,B32 L128K,B128 L32K" \
                    --backends pkv-auto,$long,$long:maxreg200,pkv-auto:stages2,$long:stages2,fi-tensor-core \
@@ -263,7 +265,7 @@ for step in $steps; do
                  --out "$out/gemma2window" --tag gemma2window > "$out/gemma2window/log.txt" 2>&1
                tail -1 "$out/gemma2window/log.txt" ;;
     q16floor)  mkdir -p "$out/q16floor"   # gpt-oss, 16 queries a row: the split floor
-               for i in 1 2; do   # twice, for the noise
+               for i in $repeats; do   # twice, for the noise
                  timeout 300 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
                    --cells "B1 L1K,B1 L8K,B4 L1K,B4 zipf,B32 L1K" \
                    --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,pkv-auto:warps8,pkv-auto:warps8:minsplit32,pkv-auto:longblockn0,fi-prefill \
@@ -271,7 +273,7 @@ for step in $steps; do
                  tail -1 "$out/q16floor/q16floor-$i-log.txt"
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
-               for i in 1 2; do   # twice, for the noise
+               for i in $repeats; do   # twice, for the noise
                  timeout 250 python3 -m persistentkv.cli bench --grid --preset gpt-oss-tp8 \
                    --cells "B8 L4K,B8 L8K,B4 zipf,B128 L1K" \
                    --backends pkv-auto,pkv-split@16,pkv-split@32,pkv-grouped,pkv-balanced,fi-cuda-core,fi-tensor-core,fi-xqa \
