@@ -11,7 +11,8 @@
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
-# tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on an H200, most of it Triton's compiles). presets: a
+# tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
+# an H200, most of it Triton's compiles). presets: a
 # policy per preset of $PRESETS (default the shapes without a shipped one), fitted and judged on
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
