@@ -146,6 +146,28 @@ def test_explain_reports_the_tasks_of_a_given_split(capsys):
     assert "tile: 4 query rows (G_PAD 16), 64-token K/V tiles, 4 warps, 3 stages" in out
 
 
+def test_explain_reports_the_merge_levels_of_the_most_cut_row(capsys):
+    """A row of S <= ONE_LEVEL_SPLITS splits merges in one level, a longer one in groups of
+    ceil(sqrt(S)) and then the groups (kernels/decode.py _merge_split); whole rows merge nothing.
+    Splits of 1 page (16 tokens): a 256-token row is 16 splits, one of 257 tokens 17 (groups of
+    5, then 4), one of 4096 tokens 256 (16 then 16)."""
+    from persistentkv.bench.explain import merge_chain
+
+    assert merge_chain(1) == () and merge_chain(2) == (2,) and merge_chain(16) == (16,)
+    assert merge_chain(17) == (5, 4) and merge_chain(256) == (16, 16)
+    assert merge_chain(257) == (17, 16)
+    for lens, expected in (("256", "merge: the most-cut row's 16 partials in one level"),
+                           ("257,40", "merge: the most-cut row's partials in two levels, groups "
+                                      "of 5, then its 4 groups' results"),
+                           ("4096", "groups of 16, then its 16 groups' results")):
+        assert main(["explain", "--seq-lens", lens, "--backend", "pkv-split@1",
+                     "--preset", "llama3-8b"]) == 0
+        assert expected in capsys.readouterr().out
+    assert main(["explain", "--seq-lens", "4096", "--backend", "pkv-grouped",
+                 "--preset", "llama3-8b"]) == 0
+    assert "merge: none (no row is cut)" in capsys.readouterr().out
+
+
 def test_explain_counts_the_tile_rows_and_the_split_floor_of_many_queries(capsys):
     """gpt-oss (group 8) at 16 queries a row: 128 tile rows, whose splits are at least
     min_split_tokens x 128 // 32 tokens (schedule.min_split_tokens): 512 by default, so a 1K row

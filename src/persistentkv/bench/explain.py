@@ -7,6 +7,7 @@ is timed and no attention is computed.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 
 from ..planner import DecodePlan
 from ..policy import StepFeatures, load_policy
+from ..kernels.decode import ONE_LEVEL_SPLITS
 from ..queries import MAX_QUERIES_PER_ROW
 from ..runtime import next_power_of_2
 from ..tuning import KernelConfig, default_config
@@ -34,6 +36,7 @@ class StepPlanReport:
     tasks: int
     rows_cut: int                 # rows read by two or more tasks (their partials merge)
     most_splits: int              # splits of the most-cut row
+    merge_chain: tuple[int, ...]  # its merge: partials merged one after another, per level
     task_tokens: tuple[int, int, int]   # min, median, max
     items: int
     programs: int
@@ -56,9 +59,32 @@ class StepPlanReport:
                 f"{self.tasks} tasks a KV head ({self.items} items on {self.programs} programs: "
                 f"{self.rounds:.2f} rounds); {self.rows_cut} rows cut, at most "
                 f"{self.most_splits} splits a row",
+                _merge_text(self.merge_chain),
                 f"tokens a task: min {lo}, median {mid}, max {hi}",
                 f"tile: {self.tile_rows} query rows (G_PAD {self.g_pad}), {tile}, "
                 f"{self.num_warps} warps, {self.num_stages} stages"]
+
+
+def merge_chain(num_splits: int) -> tuple[int, ...]:
+    """The partials a row of num_splits splits merges at each level, as the decode kernel does
+    (kernels/decode.py `_merge_split`): none for a whole row; one level of all of them up to
+    ONE_LEVEL_SPLITS; past that, groups of ceil(sqrt(S)) splits, then the groups."""
+    if num_splits < 2:
+        return ()
+    if num_splits <= ONE_LEVEL_SPLITS.value:
+        return (num_splits,)
+    fanin = math.ceil(math.sqrt(num_splits))
+    return (fanin, -(-num_splits // fanin))
+
+
+def _merge_text(chain: tuple[int, ...]) -> str:
+    if not chain:
+        return "merge: none (no row is cut)"
+    if len(chain) == 1:
+        return f"merge: the most-cut row's {chain[0]} partials in one level"
+    fanin, groups = chain
+    return (f"merge: the most-cut row's partials in two levels, groups of {fanin}, then its "
+            f"{groups} groups' results")
 
 
 def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_name: str,
@@ -119,6 +145,7 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         choice=str(info["choice"]), decided_by=decided_by, policy_bin=features.bin(),
         split_tokens=info["split_tokens"],
         tasks=info["num_tasks"], rows_cut=int((splits > 1).sum()), most_splits=int(splits.max()),
+        merge_chain=merge_chain(int(splits.max())),
         task_tokens=(int(tokens.min()), int(np.median(tokens)), int(tokens.max())),
         items=items, programs=plan.programs, rounds=1.0 if chunks else items / plan.programs,
         tile_rows=rows, g_pad=max(16, next_power_of_2(rows)),
