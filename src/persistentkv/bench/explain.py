@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..kernels.decode import ONE_LEVEL_SPLITS
 from ..planner import DecodePlan
 from ..policy import StepFeatures, load_policy
-from ..kernels.decode import ONE_LEVEL_SPLITS
 from ..queries import MAX_QUERIES_PER_ROW
 from ..runtime import next_power_of_2
 from ..tuning import KernelConfig, default_config
