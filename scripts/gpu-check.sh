@@ -8,7 +8,8 @@
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|tp8long|gemma2window|q16floor|tp8small|e2e ...]
+#                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
+#                                        e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -47,7 +48,8 @@
 # rows) with smaller split floors than the rule's 512 tokens there, and with 8 warps (no spill
 # there), twice (v28: B1 at 0.55x FlashInfer's prefill, 16 tasks on B1 L1K); tp8small:
 # gpt-oss-tp8's small cells under 1.00x with larger splits, whole rows and chunks, twice (v27: B8
-# L4K 0.94x, 256 tasks of 128 tokens);
+# L4K 0.94x, 256 tasks of 128 tokens); mblocks: a task's query rows as M-blocks of 64, 32 or
+# 16 (KernelConfig.max_tile_rows) at gpt-oss 16 queries a row and llama3-8b 8 and 16, twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -271,6 +273,21 @@ for step in $steps; do
                    --backends pkv-auto,pkv-auto:minsplit64,pkv-auto:minsplit32,pkv-auto:warps8,pkv-auto:warps8:minsplit32,pkv-auto:longblockn0,fi-prefill \
                    --out "$out/q16floor" --tag "q16floor-$i" > "$out/q16floor/q16floor-$i-log.txt" 2>&1
                  tail -1 "$out/q16floor/q16floor-$i-log.txt"
+               done ;;
+    mblocks)   mkdir -p "$out/mblocks"   # several queries a row: a task's rows in M-blocks
+               for i in $repeats; do   # twice, for the noise
+                 timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B4 zipf,B32 L1K" \
+                   --backends pkv-auto,pkv-auto:tilerows64,pkv-auto:tilerows32,fi-prefill \
+                   --out "$out/mblocks" --tag "gptoss-q16-$i" > "$out/mblocks/gptoss-q16-$i-log.txt" 2>&1
+                 tail -1 "$out/mblocks/gptoss-q16-$i-log.txt"
+                 for q in 8 16; do
+                   timeout 150 python3 -m persistentkv.cli bench --grid --preset llama3-8b --q-len $q \
+                     --cells "B1 L1K,B1 L8K,B8 L1K,B8 L8K" \
+                     --backends pkv-auto,pkv-auto:tilerows16,pkv-auto:tilerows32,fi-prefill \
+                     --out "$out/mblocks" --tag "llama-q$q-$i" > "$out/mblocks/llama-q$q-$i-log.txt" 2>&1
+                   tail -1 "$out/mblocks/llama-q$q-$i-log.txt"
+                 done
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
                for i in $repeats; do   # twice, for the noise

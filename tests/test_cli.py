@@ -184,3 +184,14 @@ def test_explain_counts_the_tile_rows_and_the_split_floor_of_many_queries(capsys
         assert f"split {split} tokens" in out
         assert f"{1024 // split} tasks a KV head ({8 * 1024 // split} items on 264 programs" in out
         assert "tile: 128 query rows (G_PAD 128)" in out
+
+
+def test_explain_counts_m_blocks(capsys):
+    """gpt-oss at 16 queries a row with tiles of at most 32 rows: each task's 128 rows run as 4
+    M-blocks, 4 items a (task, KV head); the split floor is a block's (32 rows: 128 tokens)."""
+    assert main(["explain", "--cell", "B1 L1K", "--preset", "gpt-oss", "--q-len", "16",
+                 "--backend", "pkv-split:tilerows32"]) == 0
+    out = capsys.readouterr().out
+    assert "split 128 tokens" in out
+    assert "8 tasks a KV head (256 items on 264 programs" in out
+    assert "tile: 128 query rows (4 M-blocks of G_PAD 32)" in out

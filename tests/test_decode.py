@@ -366,6 +366,29 @@ def test_long_tile_config_is_checked():
         KernelConfig(long_from_tokens=0)
 
 
+def test_m_blocks_rule_and_checks():
+    """max_tile_rows cuts a task's tile (query tokens x group, padded to a power of two >= 16)
+    into M-blocks: the kernel's G_PAD and merge rows are a block's, M_BLOCKS their count."""
+    from persistentkv.kernels.decode import decode_constexprs
+    from persistentkv.tuning import KernelConfig
+
+    cfg = KernelConfig(max_tile_rows=32)
+    assert [(cfg.row_blocks(tile_rows=n), cfg.block_rows(tile_rows=n))
+            for n in (1, 16, 32, 33, 112, 128)] == [(1, 1), (1, 16), (1, 32), (2, 17), (4, 28),
+                                                    (4, 32)]
+    assert KernelConfig().row_blocks(tile_rows=128) == 1
+    shape = dict(num_kv_heads=8, group=8, head_dim=64, page_size=16, block_n=64,
+                 return_lse=False, upcast=False, max_queries=16)
+    assert [decode_constexprs(**shape, m_blocks=m)[k] for m in (1, 4)
+            for k in ("G_PAD", "G_MERGE", "M_BLOCKS")] == [128, 128, 1, 32, 32, 4]
+    with pytest.raises(ValueError, match="m_blocks must cut the tile's 128 rows into blocks of "
+                                         "at least 16, got 16"):
+        decode_constexprs(**shape, m_blocks=16)
+    with pytest.raises(ValueError, match="KernelConfig.max_tile_rows must be a power of two >= "
+                                         "16, got 24"):
+        KernelConfig(max_tile_rows=24)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="programmatic dependent launch needs a GPU (compute "
                                        "capability 9.0+); the interpreter runs with it off")

@@ -8,15 +8,18 @@ from hypothesis import strategies as st
 
 from paged_case import DEVICE, ON_GPU, block_kwargs, csr_kwargs, make_case, queries
 from persistentkv import BACKENDS, TOLERANCE, DecodeWrapper, reference_decode, relative_error
+from persistentkv.tuning import KernelConfig
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
 
-def _check(case, q_lens, *, backend, table_form="csr", split_pages=None, seed=0, heads=HEADS):
+def _check(case, q_lens, *, backend, table_form="csr", split_pages=None, seed=0, heads=HEADS,
+           config=None):
     kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
     q, qo_indptr = queries(case, q_lens, seed)
     wrapper = DecodeWrapper(case.layout)
-    wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr)
+    wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split_pages, qo_indptr=qo_indptr,
+                 config=config)
     out = torch.full_like(q, float("nan"))
     lse = wrapper.run(q, case.kv_cache, out=out, return_lse=True)[1]
     ref, ref_lse = reference_decode(q, case.kv_cache, layout=case.layout,
@@ -30,6 +33,18 @@ def test_mixed_query_counts_every_schedule(backend):
     """Rows of 1 to 7 queries, split into several tasks (2 pages a split) or whole."""
     case = make_case(seq_lens=[70, 9, 130, 33], **HEADS, seed=1)
     _check(case, [3, 1, 7, 4], backend=backend, split_pages=2 if backend == "split" else None)
+
+
+@pytest.mark.parametrize("tile_rows", [16, 32])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_m_blocks_every_schedule(backend, tile_rows):
+    """A row's 16 queries x group 8 (128 tile rows) run as M-blocks of 16 or 32 rows, each
+    block a program of its own that merges its own rows; rows of 1-7 queries beside it."""
+    heads = dict(num_qo_heads=16, num_kv_heads=2, head_dim=32, page_size=16)
+    case = make_case(seq_lens=[70, 9, 130, 33], **heads, seed=11)
+    _check(case, [16, 1, 7, 4], backend=backend, heads=heads,
+           split_pages=2 if backend == "split" else None,
+           config=KernelConfig(block_n=32, max_tile_rows=tile_rows))
 
 
 def test_queries_past_a_short_last_split():
@@ -63,8 +78,10 @@ def test_random_query_counts(data):
                      layout=data.draw(st.sampled_from(["HND", "NHD", "HND_VT"]), label="layout"),
                      seed=data.draw(st.integers(0, 2**16), label="seed"))
     split = data.draw(st.integers(1, 4), label="split_pages") if backend == "split" else None
+    tile_rows = data.draw(st.sampled_from([None, 16, 32]), label="max_tile_rows")
     _check(case, q_lens, backend=backend, split_pages=split, heads=heads,
-           table_form=data.draw(st.sampled_from(["csr", "block"]), label="table_form"))
+           table_form=data.draw(st.sampled_from(["csr", "block"]), label="table_form"),
+           config=KernelConfig(block_n=32, max_tile_rows=tile_rows))
 
 
 @pytest.mark.parametrize("indptr, match", [
@@ -133,14 +150,15 @@ def _fill_step(case, lens, counts, tensors, gen):
     return table, total
 
 
-def test_graph_mode_queries_refilled_in_place():
+@pytest.mark.parametrize("max_queries, config", [(4, None), (8, KernelConfig(max_tile_rows=16))])
+def test_graph_mode_queries_refilled_in_place(max_queries, config):
     """Graph mode: qo_indptr is a static device tensor refilled in place like the page table (and,
     on a GPU, plan + run captured once and replayed for a later step); rows of q past the step's
-    queries are left untouched."""
+    queries are left untouched. Also with 8 queries' tiles (32 rows) in two M-blocks."""
 
     case = make_case(seq_lens=[60, 45, 20], **HEADS, seed=7)
     wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=3, max_num_pages=16,
-                            max_queries_per_row=4)
+                            max_queries_per_row=max_queries)
     tensors = (torch.zeros(4, dtype=torch.int32, device=DEVICE),
                torch.zeros(16, dtype=torch.int32, device=DEVICE),
                torch.ones(3, dtype=torch.int32, device=DEVICE),
@@ -152,7 +170,7 @@ def test_graph_mode_queries_refilled_in_place():
 
     def step():
         wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
-                     qo_indptr=qo)
+                     qo_indptr=qo, config=config)
         wrapper.run(q, case.kv_cache, out=out)
 
     graph = None

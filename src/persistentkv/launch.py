@@ -239,7 +239,8 @@ class DecodeLauncher:
                  plan.logits_soft_cap or 1.0)
         group = plan.num_qo_heads // plan.num_kv_heads
         max_queries = 1 if plan.queries is None else plan.queries.max_per_row
-        tiles = dict(kv_fp8=fp8, tile_rows=max_queries * group)
+        cfg = plan.config
+        tiles = dict(kv_fp8=fp8, tile_rows=cfg.block_rows(tile_rows=max_queries * group))
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=group, head_dim=plan.head_dim,
             page_size=plan.page_size, block_n=plan.config.tile_tokens(**tiles),
@@ -249,11 +250,11 @@ class DecodeLauncher:
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
             v_transposed=self.kv_layout == "HND_VT",
             long_block_n=plan.config.long_tile_tokens(**tiles),
-            long_from_tokens=plan.config.long_from_tokens)
+            long_from_tokens=plan.config.long_from_tokens,
+            m_blocks=cfg.row_blocks(tile_rows=max_queries * group))
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
-        cfg = plan.config
         key = (tuple(constexprs.values()), cfg.num_warps, cfg.num_stages, cfg.max_registers,
                q.dtype, strides,
                q.data_ptr() % 16, out_align,

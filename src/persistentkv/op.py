@@ -29,13 +29,15 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                  num_stages: int, max_queries: int, window_left: int,
                  logits_soft_cap: float, pdl: bool = False,
                  v_transposed: bool = False, max_registers: int | None = None,
-                 long_block_n: int = 0, long_from_tokens: int = 0) -> torch.Tensor:
+                 long_block_n: int = 0, long_from_tokens: int = 0,
+                 m_blocks: int = 1) -> torch.Tensor:
     """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
     max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
     sinks None: off; an fp8 k, v: scaled by k_scale and v_scale, or per token by kv_scales;
     pdl: launched with programmatic dependent launch, as launch.use_pdl decided; v_transposed:
     V's blocks in the HND_VT layout; max_registers: Triton's maxnreg, None for the compiler's
-    choice; long_block_n, long_from_tokens: the tile of long tasks, 0 for none).
+    choice; long_block_n, long_from_tokens: the tile of long tasks, 0 for none; m_blocks:
+    programs that share a task's tile rows).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
     """
@@ -56,7 +58,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                             sinks=sinks is not None, kv_fp8=k.dtype == FP8,
                             token_scales=kv_scales is not None, pdl=pdl,
                             v_transposed=v_transposed, long_block_n=long_block_n,
-                            long_from_tokens=long_from_tokens),
+                            long_from_tokens=long_from_tokens, m_blocks=m_blocks),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": max_registers} if max_registers is not None and not interpreting() else {}))
     return out
@@ -68,7 +70,7 @@ def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, kv_scales, k_scale, v
                        row_lens, cache_strides, sm_scale, num_kv_heads, page_size, programs,
                        block_n, num_warps, num_stages, max_queries, window_left, logits_soft_cap,
                        pdl=False, v_transposed=False, max_registers=None, long_block_n=0,
-                       long_from_tokens=0):
+                       long_from_tokens=0, m_blocks=1):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -115,8 +117,8 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
         guard_pages(*guard.leading, *guard.fixed, k.shape[0], guard.page_size, guard.csr)
     queries = plan.queries
     max_queries = 1 if queries is None else queries.max_per_row
-    tiles = dict(kv_fp8=k.dtype == FP8,
-                 tile_rows=max_queries * (plan.num_qo_heads // plan.num_kv_heads))
+    tile_rows = max_queries * (plan.num_qo_heads // plan.num_kv_heads)
+    tiles = dict(kv_fp8=k.dtype == FP8, tile_rows=cfg.block_rows(tile_rows=tile_rows))
     return paged_decode(q, k, v, plan.indices,
                         plan.indices if queries is None else queries.indptr, sinks, kv_scales,
                         1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale,
@@ -127,4 +129,4 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                         plan.window_left,
                         plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT",
                         cfg.max_registers, cfg.long_tile_tokens(**tiles),
-                        cfg.long_from_tokens)
+                        cfg.long_from_tokens, cfg.row_blocks(tile_rows=tile_rows))

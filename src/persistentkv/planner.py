@@ -174,7 +174,7 @@ class Planner:
         self._launcher = Launcher(plan_kernel)
         self._policy_tensors: dict = {}
         self._shipped: dict = {}           # (GPU name, (Hq, Hkv, head_dim)) -> shipped policy
-        self._setups: dict = {}            # (options, device) -> _setup(...)
+        self._setups: dict = {}            # (options, device, head items) -> _setup(...)
         self._bound: dict = {}             # planner launches by options, table form, workspace
         # the last plan: (tensors, shapes, options, plan, planner launch, its leading tensors)
         self._memo: tuple | None = None
@@ -214,11 +214,13 @@ class Planner:
         if self.fixed_pages is not None and table.pages > self.fixed_pages:
             raise ValueError(f"the page table holds {table.pages} page entries, over "
                              f"max_num_pages={self.fixed_pages}")
-        setup = self._setups.get((options, device))
-        if setup is None:
-            setup = self._setups[options, device] = self._setup(options, device)
-        code_bins, target, chunks, fixed_tail = setup
         q_pad = 1 if queries is None else queries.max_per_row
+        head_items = _head_items(options, q_pad)
+        setup = self._setups.get((options, device, head_items))
+        if setup is None:
+            setup = self._setups[options, device, head_items] = self._setup(options, device,
+                                                                            head_items)
+        code_bins, target, chunks, fixed_tail = setup
         rows = self.fixed_rows or table.rows
         pages = self.fixed_pages or table.pages
         need = dict(tasks=max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
@@ -233,7 +235,7 @@ class Planner:
                                       for c, bins in code_bins.items()
                                       for most_rows, longest in bins),
                     partial_heads=options.num_qo_heads * q_pad, head_dim=options.head_dim,
-                    kv_heads=options.num_kv_heads, rows=rows,
+                    kv_heads=head_items, rows=rows,
                     pages=0 if options.check_page_table else max(guarded_extent(table),
                                                                   self.fixed_pages or 0))
         if ws is None or ws.device != device:
@@ -254,8 +256,9 @@ class Planner:
                 self._bound.clear()
             launch = self._bound[bind_key] = self._bind(options, table, ws, fixed_tail, block_rows,
                                                         align, q_pad)
-        programs = min(options.config.programs_per_sm * self.sms(device),
-                       ws.capacity * options.num_kv_heads)
+        # at least a program per head item: a balanced plan runs one chunk (>= 1) of each
+        programs = min(max(options.config.programs_per_sm * self.sms(device), head_items),
+                       ws.capacity * head_items)
         guard = None if options.check_page_table else PageGuard(
             table, safe=ws.safe_pages, info=ws.info, page_size=options.page_size)
         indices = table.indices if guard is None else ws.safe_pages
@@ -277,15 +280,15 @@ class Planner:
                       plan, launch, call) if on_device else None
         return plan
 
-    def _setup(self, options: PlanOptions, device: torch.device) -> tuple:
+    def _setup(self, options: PlanOptions, device: torch.device, head_items: int) -> tuple:
         """What plan() needs of a set of options, once: the choice codes the step may take, each
         with the policy bins it decides (Policy.code_bins), the split rule's task target, a
         balanced plan's chunks per KV head, and the planner's fixed arguments after the
-        workspace buffers."""
+        workspace buffers. head_items: programs a task's KV heads take (_head_items); the
+        targets count them as KV heads."""
         cfg, sms = options.config, self.sms(device)
-        target = split_task_target(num_kv_heads=options.num_kv_heads, sm_count=sms, config=cfg)
-        chunks = chunks_per_head(programs=cfg.programs_per_sm * sms,
-                                 num_kv_heads=options.num_kv_heads)
+        target = split_task_target(num_kv_heads=head_items, sm_count=sms, config=cfg)
+        chunks = chunks_per_head(programs=cfg.programs_per_sm * sms, num_kv_heads=head_items)
         choice = options.choice
         policy = self.policy_for(device, (options.num_qo_heads, options.num_kv_heads,
                                           options.head_dim),
@@ -302,7 +305,7 @@ class Planner:
         # query rows too (_bind puts it between them)
         before_split = (choice.code() if dense is None else 0, target, chunks)
         after_split = (cfg.balanced_from_tokens,
-                       whole_row_min_rows(num_kv_heads=options.num_kv_heads, sm_count=sms),
+                       whole_row_min_rows(num_kv_heads=head_items, sm_count=sms),
                        WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
         return code_bins, target, chunks, (edges, table, before_split, after_split,
                                            dense is not None)
@@ -313,7 +316,8 @@ class Planner:
         the tile's query tokens per row (a window keeps window_left + q_pad positions a row)."""
         edges, dense, before_split, after_split, use_policy = fixed_tail
         group = options.num_qo_heads // options.num_kv_heads
-        smallest_split = min_split_tokens(options.config, tile_rows=q_pad * group)
+        smallest_split = min_split_tokens(
+            options.config, tile_rows=options.config.block_rows(tile_rows=q_pad * group))
         window_tokens = -1 if options.window_left < 0 else options.window_left + q_pad
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
@@ -325,7 +329,7 @@ class Planner:
                                           ws.partial_capacity(
                                               partial_heads=options.num_qo_heads * q_pad,
                                               head_dim=options.head_dim,
-                                              kv_heads=options.num_kv_heads),
+                                              kv_heads=_head_items(options, q_pad)),
                                           *before_split, smallest_split, *after_split,
                                           window_tokens),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
@@ -355,6 +359,13 @@ class Planner:
                        torch.tensor(codes or [0], dtype=torch.int32, device=device))
             self._policy_tensors[key] = tensors
         return tensors
+
+
+def _head_items(options: PlanOptions, q_pad: int) -> int:
+    """Programs that one task takes: a program per KV head, or per M-block of each where a
+    tile of q_pad query tokens x group rows is cut (KernelConfig.row_blocks)."""
+    group = options.num_qo_heads // options.num_kv_heads
+    return options.num_kv_heads * options.config.row_blocks(tile_rows=q_pad * group)
 
 
 def _row_pages(max_row_pages: int | None, longest: int | None, page_size: int) -> int | None:

@@ -38,6 +38,9 @@ class KernelConfig:
     long_block_n: tokens per K/V tile of the tasks of at least long_from_tokens tokens (None:
     block_n for every task; fp16/bf16 caches only): a task's loop is chosen by its length on the
     device, so one plan (and one graph) serves short and long tasks alike.
+    max_tile_rows: most query rows (query tokens x group) of one program's tile (None: a task's
+    whole tile): a task of more is run by row_blocks programs (M-blocks) of max_tile_rows rows
+    each, which read the same K/V tiles (the second from L2) and merge their own rows.
     """
 
     block_n: int = 64
@@ -53,6 +56,19 @@ class KernelConfig:
     max_registers: int | None = None
     long_block_n: int | None = None
     long_from_tokens: int = 2048
+    max_tile_rows: int | None = None
+
+    def row_blocks(self, *, tile_rows: int) -> int:
+        """Programs (M-blocks) that share a task whose tile has tile_rows query rows (padded to
+        a power of two, at least 16): 1, or enough blocks of max_tile_rows rows."""
+        padded = max(16, 1 << max(0, tile_rows - 1).bit_length())
+        if self.max_tile_rows is None or padded <= self.max_tile_rows:
+            return 1
+        return padded // self.max_tile_rows
+
+    def block_rows(self, *, tile_rows: int) -> int:
+        """Query rows of one program's tile: tile_rows, or an M-block's share of them."""
+        return -(-tile_rows // self.row_blocks(tile_rows=tile_rows))
 
     def tile_tokens(self, *, kv_fp8: bool, tile_rows: int = 1) -> int:
         """Tokens per K/V tile for a cache of this kind and tiles of tile_rows query rows (query
@@ -83,7 +99,7 @@ class KernelConfig:
         value = self.balanced_from_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, got {value!r}")
-        for name in ("block_n", "fp8_block_n", "long_block_n"):
+        for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows"):
             value = getattr(self, name)
             if value is None and name != "block_n":
                 continue

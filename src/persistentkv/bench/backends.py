@@ -394,7 +394,8 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "pdl": ("pdl", {"0": False, "1": True}.__getitem__),
                    "maxreg": ("max_registers", int),
                    "longblockn": ("long_block_n", lambda text: int(text) or None),
-                   "longfrom": ("long_from_tokens", int)}
+                   "longfrom": ("long_from_tokens", int),
+                   "tilerows": ("max_tile_rows", lambda text: int(text) or None)}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -459,7 +460,8 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     ':blocknN' (tokens per K/V tile), ':fp8blocknN' (an fp8 cache's), ':balfromT' (the default
     rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
     (registers a thread), ':longblocknN' and ':longfromT' (the tile of tasks of at least T
-    tokens; ':longblockn0' none of their own), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3',
+    tokens; ':longblockn0' none of their own), ':tilerowsR' (a program's query rows: a task of
+    more runs as M-blocks of R), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3',
     'pkv-auto:pdl1'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """

@@ -26,7 +26,7 @@ from .runner import ModelShape
 @dataclass(frozen=True)
 class StepPlanReport:
     """One planned step, as the kernels will run it. Tokens per task are a task's KV tokens;
-    items are (task, KV head) pairs; rounds = items / programs, where programs claim items (a
+    items are (task, KV head, M-block) triples; rounds = items / programs, where programs claim items (a
     balanced plan runs one chunk a program: one round)."""
 
     choice: str                   # the schedule and split the planner took (the policy's, or given)
@@ -42,6 +42,7 @@ class StepPlanReport:
     programs: int
     rounds: float
     tile_rows: int                # query tokens a row x group, padded to G_PAD >= 16 for tl.dot
+    m_blocks: int                 # programs that share a task's rows, G_PAD rows each
     g_pad: int
     block_n: int                  # tokens per K/V tile; long_block_n for tasks of long_from tokens
     long_block_n: int
@@ -61,7 +62,9 @@ class StepPlanReport:
                 f"{self.most_splits} splits a row",
                 _merge_text(self.merge_chain),
                 f"tokens a task: min {lo}, median {mid}, max {hi}",
-                f"tile: {self.tile_rows} query rows (G_PAD {self.g_pad}), {tile}, "
+                f"tile: {self.tile_rows} query rows ("
+                f"{f'{self.m_blocks} M-blocks of ' if self.m_blocks > 1 else ''}G_PAD "
+                f"{self.g_pad}), {tile}, "
                 f"{self.num_warps} warps, {self.num_stages} stages"]
 
 
@@ -135,12 +138,13 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
     tokens = records[:, 3] - records[:, 2]
     splits = np.bincount(records[:, 0], minlength=len(lens))
     chunks = info["num_chunks"]
-    items = (chunks or info["num_tasks"]) * shape.num_kv_heads
     rows = next_power_of_2(q_len) * (shape.num_qo_heads // shape.num_kv_heads)
+    m_blocks, block_rows = config.row_blocks(tile_rows=rows), config.block_rows(tile_rows=rows)
+    items = (chunks or info["num_tasks"]) * shape.num_kv_heads * m_blocks
     fp8 = shape.kv_fp8 is not None
     features = StepFeatures.of(lens, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                                elem_size=1 if fp8 else 2)
-    long_tile = config.long_tile_tokens(kv_fp8=fp8, tile_rows=rows)
+    long_tile = config.long_tile_tokens(kv_fp8=fp8, tile_rows=block_rows)
     return StepPlanReport(
         choice=str(info["choice"]), decided_by=decided_by, policy_bin=features.bin(),
         split_tokens=info["split_tokens"],
@@ -148,7 +152,7 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         merge_chain=merge_chain(int(splits.max())),
         task_tokens=(int(tokens.min()), int(np.median(tokens)), int(tokens.max())),
         items=items, programs=plan.programs, rounds=1.0 if chunks else items / plan.programs,
-        tile_rows=rows, g_pad=max(16, next_power_of_2(rows)),
-        block_n=config.tile_tokens(kv_fp8=fp8, tile_rows=rows), long_block_n=long_tile,
+        tile_rows=rows, m_blocks=m_blocks, g_pad=max(16, next_power_of_2(rows)) // m_blocks,
+        block_n=config.tile_tokens(kv_fp8=fp8, tile_rows=block_rows), long_block_n=long_tile,
         long_from_tokens=config.long_from_tokens if long_tile else 0,
         num_warps=config.num_warps, num_stages=config.num_stages)

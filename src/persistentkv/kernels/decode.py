@@ -147,7 +147,7 @@ def _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh,
 
 
 @triton.jit
-def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
+def _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
                  q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
                  sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                  out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
@@ -160,14 +160,17 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
                  TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr, BLOCK_N_LONG: tl.constexpr,
-                 LONG_FROM: tl.constexpr):
-    """One (row, KV head, split) task; the last split of a row to finish merges the row.
+                 LONG_FROM: tl.constexpr, M_BLOCKS: tl.constexpr):
+    """One (row, KV head, split) task, M-block head_item % M_BLOCKS of KV head
+    head_item // M_BLOCKS; the last split of a row to finish merges the row's block.
 
-    Tile row m is query token m // GROUP of the row (its qo_indptr range; 1 without Q_PAD > 1)
-    and query head kv_head * GROUP + m % GROUP. Positions are the planner's: from the first
-    page it kept of the row (a window drops the pages before it), row_lens[row] of them."""
+    Tile row m (of M-block b: m = b * G_PAD + i) is query token m // GROUP of the row (its
+    qo_indptr range; 1 without Q_PAD > 1) and query head kv_head * GROUP + m % GROUP. Positions
+    are the planner's: from the first page it kept of the row (a window drops the pages before
+    it), row_lens[row] of them."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
-    offs_m = tl.arange(0, G_PAD)
+    kv_head, m_block = head_item // M_BLOCKS, head_item % M_BLOCKS
+    offs_m = m_block * G_PAD + tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     q_start, n_q, limit = _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP, Q_PAD,
                                        WINDOW)
@@ -224,10 +227,11 @@ def _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start, nu
         _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
                      g_mask, NUM_QO_HEADS, RETURN_LSE)
     else:                                   # write the partial; the task completing them merges
-        _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, num_q_rows,
-                     offs_m // GROUP * NUM_QO_HEADS + heads, offs_d, mask, g_mask, d_mask,
-                     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, stride_ob,
-                     stride_oh, NUM_KV_HEADS, GROUP, Q_PAD, HEAD_DIM, D_PAD, G_MERGE, RETURN_LSE)
+        _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q,
+                     num_q_rows, offs_m // GROUP * NUM_QO_HEADS + heads, offs_d, mask, g_mask,
+                     d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, stride_ob,
+                     stride_oh, NUM_KV_HEADS, GROUP, Q_PAD, HEAD_DIM, D_PAD, G_MERGE, RETURN_LSE,
+                     M_BLOCKS)
 
 
 @triton.jit
@@ -299,29 +303,33 @@ def _store_partial(o, lse2, slot, part_rows, offs_d, mask, g_mask, part_o_ptr, p
 
 
 @triton.jit
-def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, num_q_rows,
+def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q, num_q_rows,
                  part_rows,
                  offs_d, mask, g_mask, d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
                  counters_ptr, stride_ob, stride_oh, NUM_KV_HEADS: tl.constexpr,
                  GROUP: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 D_PAD: tl.constexpr, G_MERGE: tl.constexpr, RETURN_LSE: tl.constexpr):
+                 D_PAD: tl.constexpr, G_MERGE: tl.constexpr, RETURN_LSE: tl.constexpr,
+                 M_BLOCKS: tl.constexpr):
     """Write split `split`'s partial to slot slot_start + split; the task that completes a row's
     partials merges them. A row of more than ONE_LEVEL_SPLITS splits S merges in two levels of
     about sqrt(S) partials each, not one of S (one program's merge is a chain of memory round
     trips): each group of ceil(sqrt(S)) splits is merged by the task completing it into the
     group's first slot, and the task completing the groups merges those. Counters (int32
-    [slots, NUM_KV_HEADS], by slot): a group's at its first slot, the row's at the row's first
-    slot, or its second one when it merges in two levels. A slot holds Q_PAD x Hq rows (query
-    token j, head h at j * Hq + h); the merge tile has G_MERGE >= Q_PAD x GROUP rows.
+    [slots, NUM_KV_HEADS x M_BLOCKS], by slot and head item): a group's at its first slot, the
+    row's at the row's first slot, or its second one when it merges in two levels. A slot holds
+    Q_PAD x Hq rows (query token j, head h at j * Hq + h); the merge tile has G_MERGE rows, the
+    M-block's share of Q_PAD x GROUP (each M-block merges its own rows).
     Partial outputs are kept in the output's dtype (fp16/bf16: half the bytes the merge reads;
     in the first half of the fp32 workspace; v26 measured 5-13% off the small multi-token steps)
     and merged in fp32; their lse in fp32."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     SLOT_ROWS: tl.constexpr = Q_PAD * NUM_QO_HEADS
+    HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS
+    kv_head = head_item // M_BLOCKS
     part_o_ptr = part_o_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty))
     _store_partial(o, lse2, slot_start + split, part_rows, offs_d, mask, g_mask, part_o_ptr,
                    part_lse_ptr, SLOT_ROWS, HEAD_DIM)
-    offs_m = tl.arange(0, G_MERGE)
+    offs_m = head_item % M_BLOCKS * G_MERGE + tl.arange(0, G_MERGE)
     m_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
     merge_mask = m_mask[:, None] & d_mask[None, :]
     merge_heads = kv_head * GROUP + offs_m % GROUP
@@ -334,7 +342,7 @@ def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, 
         fanin = tl.ceil(tl.sqrt_rn(num_splits.to(tl.float32))).to(tl.int32)
         first = split - split % fanin
         members = tl.minimum(num_splits - first, fanin)
-        ready = _arrive(counters_ptr + (slot_start + first) * NUM_KV_HEADS + kv_head, members)
+        ready = _arrive(counters_ptr + (slot_start + first) * HEAD_ITEMS + head_item, members)
         if ready:
             o_g, lse_g = merge_partials(part_o_ptr, part_lse_ptr, (slot_start + first).to(tl.int64),
                                         members, 1, merge_rows, m_mask, SLOT_ROWS, G_MERGE,
@@ -348,7 +356,7 @@ def _merge_split(o, lse2, kv_head, split, slot_start, num_splits, q_start, n_q, 
         stride = fanin
         row_counter = slot_start + 1
     if ready:
-        if _arrive(counters_ptr + row_counter * NUM_KV_HEADS + kv_head, count):
+        if _arrive(counters_ptr + row_counter * HEAD_ITEMS + head_item, count):
             o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
                                             count, stride, merge_rows, m_mask, SLOT_ROWS,
                                             G_MERGE, HEAD_DIM, D_PAD)
@@ -381,7 +389,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
                         TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
-                        BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr):
+                        BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr,
+                        M_BLOCKS: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -390,14 +399,16 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
 
     tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
     the task count at 0, the claim counter at 3 and a balanced plan's chunk count at 5. Items
-    are (task, KV head) pairs, item = task * NUM_KV_HEADS + kv_head. Grid: (programs,),
-    persistent: program p runs item p, that is record p // NUM_KV_HEADS for head
-    p % NUM_KV_HEADS, then, in a balanced plan, the records its `next` fields link (the rest of
+    are (task, head item) pairs, item = task * HEAD_ITEMS + head_item, HEAD_ITEMS = NUM_KV_HEADS x
+    M_BLOCKS: head item i is M-block i % M_BLOCKS (G_PAD of the tile's rows) of KV head
+    i // M_BLOCKS, so a KV head's blocks run side by side and its K/V tiles meet in L2. Grid:
+    (programs,), persistent: program p runs item p, that is record p // HEAD_ITEMS for head item
+    p % HEAD_ITEMS, then, in a balanced plan, the records its `next` fields link (the rest of
     that chunk). A split or grouped step with more items than programs is claimed instead: each
     program then claims item programs + c, c = 0, 1, ... from the counter (one claim per item
     run, issued before the item and read after it, so that its latency hides behind it; the
     claim that draws the last value resets the counter for the next launch). counters: int32
-    [partial capacity, NUM_KV_HEADS], by partial slot (_merge_split), zero between launches (the
+    [partial capacity, HEAD_ITEMS], by partial slot (_merge_split), zero between launches (the
     merging tasks reset their own).
     PDL (launched with programmatic dependent launch): the kernel may start before the one ahead
     of it on the stream has finished; it waits for that kernel's writes first of all
@@ -405,20 +416,21 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
+    HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS
     programs = tl.num_programs(0)
     item = tl.program_id(0)
-    kv_head = item % NUM_KV_HEADS
+    head_item = item % HEAD_ITEMS
     # the first task record loads beside the task count, not after it
     row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
-        tasks_ptr, item // NUM_KV_HEADS, True)
-    num_items = tl.load(info_ptr) * NUM_KV_HEADS
-    chained = tl.load(info_ptr + 5) * NUM_KV_HEADS
+        tasks_ptr, item // HEAD_ITEMS, True)
+    num_items = tl.load(info_ptr) * HEAD_ITEMS
+    chained = tl.load(info_ptr + 5) * HEAD_ITEMS
     if (chained > 0) | (num_items <= programs):
         # One round: each program its item and, in a balanced plan, the rest of its chunk; no
         # claims. The first item is straight-line code: measured 0.6-1.0 us faster per launch on
         # small steps than a loop run once.
         if item < tl.where(chained > 0, chained, num_items):
-            _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
+            _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start,
                          num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
                          sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
@@ -427,11 +439,11 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
                          SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
-                         LONG_FROM)
+                         LONG_FROM, M_BLOCKS)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
-                _decode_task(row, kv_head, split, tok_lo, tok_hi, page_start, slot_start,
+                _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start,
                              num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
                              sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                              out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
@@ -440,11 +452,11 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                              num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
                              G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
                              UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T,
-                             BLOCK_N_LONG, LONG_FROM)
+                             BLOCK_N_LONG, LONG_FROM, M_BLOCKS)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
-            _decode_task(row, item % NUM_KV_HEADS, split, tok_lo, tok_hi, page_start, slot_start,
+            _decode_task(row, item % HEAD_ITEMS, split, tok_lo, tok_hi, page_start, slot_start,
                          num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
                          sinks_ptr, kv_scales_ptr, k_scale, v_scale,
                          out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
@@ -453,12 +465,12 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
                          SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
-                         LONG_FROM)
+                         LONG_FROM, M_BLOCKS)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
             row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
-                tasks_ptr, item // NUM_KV_HEADS, item < num_items)
+                tasks_ptr, item // HEAD_ITEMS, item < num_items)
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
@@ -466,7 +478,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       soft_cap: bool = False, sinks: bool = False, kv_fp8: bool = False,
                       token_scales: bool = False, pdl: bool = False,
                       v_transposed: bool = False, long_block_n: int = 0,
-                      long_from_tokens: int = 0) -> dict:
+                      long_from_tokens: int = 0, m_blocks: int = 1) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -474,12 +486,16 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     waits for the previous kernel's writes (launched with launch_pdl=True; compute capability
     9.0+, never under the interpreter: launch.use_pdl decides); v_transposed: the HND_VT layout's
     V blocks; long_block_n: the tile of the tasks of at least long_from_tokens tokens (0: block_n
-    for every task; KernelConfig.long_tile_tokens)."""
-    rows = max_queries * group
+    for every task; KernelConfig.long_tile_tokens); m_blocks: programs that share a task's
+    tile rows, G_PAD each (KernelConfig.row_blocks)."""
+    rows = next_power_of_2(max_queries * group)
+    if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
+        raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
+                         f"got {m_blocks}")
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
-                G_PAD=max(16, next_power_of_2(rows)), HEAD_DIM=head_dim,
+                G_PAD=max(16, rows) // m_blocks, HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
-                G_MERGE=next_power_of_2(rows), RETURN_LSE=return_lse, UPCAST=upcast,
+                G_MERGE=rows // m_blocks, RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
                 TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed, BLOCK_N_LONG=long_block_n,
-                LONG_FROM=long_from_tokens if long_block_n else 0)
+                LONG_FROM=long_from_tokens if long_block_n else 0, M_BLOCKS=m_blocks)
