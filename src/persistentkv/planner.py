@@ -55,9 +55,9 @@ class Workspace:
     partial outputs [slots * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
     in the first half where it is 16-bit) and lse fp32 [slots * Hq], with slots the partial
     capacity (tasks of rows cut in two or more: schedule.partial_bound), merge counters int32
-    [slots * Hkv], by partial slot (zero between launches), and the page guard's copy of a
-    trusted page table, int32 [entries] (guard.py), and the rows' lengths int32 [rows] (the
-    planner's). `generation` counts the reallocations."""
+    [slots * Hkv * M-blocks], by partial slot and head item (zero between launches), and the
+    page guard's copy of a trusted page table, int32 [entries] (guard.py), and the rows' lengths
+    int32 [rows] (the planner's). `generation` counts the reallocations."""
 
     def __init__(self, device: torch.device):
         self.device = device
