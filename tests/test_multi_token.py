@@ -228,9 +228,10 @@ def test_graph_mode_wrong_qo_indptr_stays_inside_q():
     assert torch.isfinite(out[:8].float()).all() and torch.isnan(out[8:].float()).all()
 
 
-def test_deterministic_queries_are_batch_invariant():
+@pytest.mark.parametrize("config", [None, KernelConfig(max_tile_rows=16)])
+def test_deterministic_queries_are_batch_invariant(config):
     """deterministic=True with several queries per row: a row's outputs are bitwise the same
-    alone and in a batch."""
+    alone and in a batch (also with the tile's 32 rows in two M-blocks)."""
     from persistentkv import PageTable
 
     case = make_case(seq_lens=[300, 40, 700], **HEADS, seed=9)
@@ -241,12 +242,13 @@ def test_deterministic_queries_are_batch_invariant():
                                         qo_indptr=qo_indptr)
     wrapper = DecodeWrapper(case.layout, max_queries_per_row=5)
     wrapper.plan(**csr_kwargs(case.table), **HEADS, backend="split", deterministic=True,
-                 split_pages=4, qo_indptr=qo_indptr)
+                 split_pages=4, qo_indptr=qo_indptr, config=config)
     full = wrapper.run(q, case.kv_cache)
     for row in range(3):
         alone = PageTable(row_pages=(case.table.row_pages[row],),
                           seq_lens=case.table.seq_lens[[row]], page_size=16)
         first, last = int(qo_indptr[row]), int(qo_indptr[row + 1])
         wrapper.plan(**csr_kwargs(alone), **HEADS, backend="split", deterministic=True,
-                     split_pages=4, qo_indptr=torch.tensor([0, counts[row]], dtype=torch.int32))
+                     split_pages=4, qo_indptr=torch.tensor([0, counts[row]], dtype=torch.int32),
+                     config=config)
         assert torch.equal(wrapper.run(q[first:last], case.kv_cache), full[first:last]), row
