@@ -56,12 +56,16 @@ def test_each_variant_every_schedule(variant, backend):
            **VARIANTS[variant])
 
 
-@pytest.mark.parametrize("table_form", ["csr", "block"])
-def test_variants_with_several_queries(table_form):
-    """Each of a row's queries has its own window, causal; the sink counts once per query."""
+@pytest.mark.parametrize("table_form, max_tile_rows", [("csr", None), ("block", None),
+                                                        ("csr", 16)])
+def test_variants_with_several_queries(table_form, max_tile_rows):
+    """Each of a row's queries has its own window, causal; the sink counts once per query. Also
+    with the tile's 32 rows (8 queries x group 4) in two M-blocks."""
+    from persistentkv.tuning import KernelConfig
+
     case = make_case(seq_lens=[200, 7, 90], **HEADS, seed=2)
     _check(case, backend="split", split_pages=1, q_lens=[5, 3, 8], table_form=table_form,
-           **VARIANTS["all"])
+           config=KernelConfig(max_tile_rows=max_tile_rows), **VARIANTS["all"])
 
 
 @pytest.mark.parametrize("backend, split_pages, q_lens", [
