@@ -169,15 +169,16 @@ def test_explain_reports_the_merge_levels_of_the_most_cut_row(capsys):
 
 
 def test_explain_counts_the_tile_rows_and_the_split_floor_of_many_queries(capsys):
-    """gpt-oss (group 8) at 16 queries a row: 128 tile rows, whose splits are at least
-    min_split_tokens x 128 // 32 tokens (schedule.min_split_tokens): 512 by default, so a 1K row
-    is 2 tasks a KV head; 128 with min_split_tokens 32."""
+    """gpt-oss (group 8) at 16 queries a row in one tile (no M-blocks): 128 tile rows, whose
+    splits are at least min_split_tokens x 128 // 32 tokens (schedule.min_split_tokens): 512 by
+    default, so a 1K row is 2 tasks a KV head; 128 with min_split_tokens 32."""
     from persistentkv.schedule import MIN_SPLIT_TILE_ROWS
     from persistentkv.tuning import default_config
 
     rows_over = 128 // MIN_SPLIT_TILE_ROWS
     floor = default_config(head_dim=64, num_kv_heads=8).min_split_tokens * rows_over
-    for backend, split in (("pkv-split", floor), ("pkv-split:minsplit32", 32 * rows_over)):
+    for backend, split in (("pkv-split:tilerows0", floor),
+                           ("pkv-split:tilerows0:minsplit32", 32 * rows_over)):
         assert main(["explain", "--cell", "B1 L1K", "--preset", "gpt-oss", "--q-len", "16",
                      "--backend", backend]) == 0
         out = capsys.readouterr().out
@@ -187,11 +188,14 @@ def test_explain_counts_the_tile_rows_and_the_split_floor_of_many_queries(capsys
 
 
 def test_explain_counts_m_blocks(capsys):
-    """gpt-oss at 16 queries a row with tiles of at most 32 rows: each task's 128 rows run as 4
-    M-blocks, 4 items a (task, KV head); the split floor is a block's (32 rows: 128 tokens)."""
-    assert main(["explain", "--cell", "B1 L1K", "--preset", "gpt-oss", "--q-len", "16",
-                 "--backend", "pkv-split:tilerows32"]) == 0
-    out = capsys.readouterr().out
-    assert "split 128 tokens" in out
-    assert "8 tasks a KV head (256 items on 264 programs" in out
-    assert "tile: 128 query rows (4 M-blocks of G_PAD 32)" in out
+    """gpt-oss at 16 queries a row: each task's 128 rows run as M-blocks, by default 2 of 64
+    rows, with ':tilerows32' 4 of 32; a task is that many items a KV head, and the split floor is
+    a block's (64 rows: 256 tokens, 32 rows: 128)."""
+    for backend, blocks, split in (("pkv-split", 2, 256), ("pkv-split:tilerows32", 4, 128)):
+        assert main(["explain", "--cell", "B1 L1K", "--preset", "gpt-oss", "--q-len", "16",
+                     "--backend", backend]) == 0
+        out = capsys.readouterr().out
+        assert f"split {split} tokens" in out
+        tasks = 1024 // split
+        assert f"{tasks} tasks a KV head ({tasks * 8 * blocks} items on 264 programs" in out
+        assert f"tile: 128 query rows ({blocks} M-blocks of G_PAD {128 // blocks})" in out

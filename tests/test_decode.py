@@ -376,7 +376,8 @@ def test_m_blocks_rule_and_checks():
     assert [(cfg.row_blocks(tile_rows=n), cfg.block_rows(tile_rows=n))
             for n in (1, 16, 32, 33, 112, 128)] == [(1, 1), (1, 16), (1, 32), (2, 17), (4, 28),
                                                     (4, 32)]
-    assert KernelConfig().row_blocks(tile_rows=128) == 1
+    assert KernelConfig(max_tile_rows=None).row_blocks(tile_rows=128) == 1
+    assert [KernelConfig().row_blocks(tile_rows=n) for n in (64, 128)] == [1, 2]   # the default
     shape = dict(num_kv_heads=8, group=8, head_dim=64, page_size=16, block_n=64,
                  return_lse=False, upcast=False, max_queries=16)
     assert [decode_constexprs(**shape, m_blocks=m)[k] for m in (1, 4)
