@@ -48,8 +48,9 @@
 # rows) with smaller split floors than the rule's 512 tokens there, and with 8 warps (no spill
 # there), twice (v28: B1 at 0.55x FlashInfer's prefill, 16 tasks on B1 L1K); tp8small:
 # gpt-oss-tp8's small cells under 1.00x with larger splits, whole rows and chunks, twice (v27: B8
-# L4K 0.94x, 256 tasks of 128 tokens); mblocks: a task's query rows as M-blocks of 64, 32 or
-# 16 (KernelConfig.max_tile_rows) at gpt-oss 16 queries a row and llama3-8b 8 and 16, twice;
+# L4K 0.94x, 256 tasks of 128 tokens); mblocks: 16 queries a row at llama3-70b and qwen2.5-7b,
+# the default's M-blocks of 64 rows against blocks of 32 and two stages, twice (v31: 0.64-0.87x
+# FlashInfer's prefill on B1 there);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -274,19 +275,14 @@ for step in $steps; do
                    --out "$out/q16floor" --tag "q16floor-$i" > "$out/q16floor/q16floor-$i-log.txt" 2>&1
                  tail -1 "$out/q16floor/q16floor-$i-log.txt"
                done ;;
-    mblocks)   mkdir -p "$out/mblocks"   # several queries a row: a task's rows in M-blocks
+    mblocks)   mkdir -p "$out/mblocks"   # 16 queries a row at head dim 128: M-blocks' size, stages
                for i in $repeats; do   # twice, for the noise
-                 timeout 200 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
-                   --cells "B1 L1K,B1 L8K,B4 L1K,B4 zipf,B32 L1K" \
-                   --backends pkv-auto,pkv-auto:tilerows64,pkv-auto:tilerows32,fi-prefill \
-                   --out "$out/mblocks" --tag "gptoss-q16-$i" > "$out/mblocks/gptoss-q16-$i-log.txt" 2>&1
-                 tail -1 "$out/mblocks/gptoss-q16-$i-log.txt"
-                 for q in 8 16; do
-                   timeout 150 python3 -m persistentkv.cli bench --grid --preset llama3-8b --q-len $q \
-                     --cells "B1 L1K,B1 L8K,B8 L1K,B8 L8K" \
-                     --backends pkv-auto,pkv-auto:tilerows16,pkv-auto:tilerows32,fi-prefill \
-                     --out "$out/mblocks" --tag "llama-q$q-$i" > "$out/mblocks/llama-q$q-$i-log.txt" 2>&1
-                   tail -1 "$out/mblocks/llama-q$q-$i-log.txt"
+                 for preset in llama3-70b qwen2.5-7b; do
+                   timeout 150 python3 -m persistentkv.cli bench --grid --preset $preset --q-len 16 \
+                     --cells "B1 L1K,B1 L8K,B4 L1K,B32 L1K" \
+                     --backends pkv-auto,pkv-auto:tilerows32,pkv-auto:stages2,fi-prefill \
+                     --out "$out/mblocks" --tag "$preset-q16-$i" > "$out/mblocks/$preset-q16-$i-log.txt" 2>&1
+                   tail -1 "$out/mblocks/$preset-q16-$i-log.txt"
                  done
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
