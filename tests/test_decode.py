@@ -391,6 +391,18 @@ def test_m_blocks_rule_and_checks():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="device='cuda' names a CUDA device")
+def test_gpu_wrapper_on_cuda_takes_tables_on_the_current_device():
+    """DecodeWrapper(device="cuda") is the current cuda:N, which the tables' tensors name."""
+    case = make_case(seq_lens=[40, 300], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, layout="HND")
+    wrapper = DecodeWrapper("HND", device="cuda")
+    wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                 page_size=16)
+    check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="programmatic dependent launch needs a GPU (compute "
                                        "capability 9.0+); the interpreter runs with it off")
 def test_gpu_pdl_matches_the_default_eagerly_and_in_a_graph():

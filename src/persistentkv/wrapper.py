@@ -58,7 +58,8 @@ class DecodeWrapper:
             raise TypeError(f"policy must be a persistentkv.policy.Policy, got "
                             f"{type(policy).__name__}")
         self._device = None if device is None else torch.device(device)
-        if self._device is not None and self._device.type == "cuda" and self._device.index is None:
+        if (self._device is not None and self._device.type == "cuda"
+                and self._device.index is None and torch.cuda.is_available()):
             self._device = torch.device("cuda", torch.cuda.current_device())   # "cuda" = cuda:N
         if not isinstance(use_cuda_graph, bool):
             raise TypeError(f"use_cuda_graph must be a bool, got {use_cuda_graph!r}")
