@@ -35,16 +35,17 @@ def test_mixed_query_counts_every_schedule(backend):
     _check(case, [3, 1, 7, 4], backend=backend, split_pages=2 if backend == "split" else None)
 
 
-@pytest.mark.parametrize("tile_rows", [16, 32])
+@pytest.mark.parametrize("tile_rows", [16, 32, "default"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_m_blocks_every_schedule(backend, tile_rows):
-    """A row's 16 queries x group 8 (128 tile rows) run as M-blocks of 16 or 32 rows, each
-    block a program of its own that merges its own rows; rows of 1-7 queries beside it."""
+    """A row's 16 queries x group 8 (128 tile rows) run as M-blocks of 16 or 32 rows, or the
+    default's 64, each block a program of its own that merges its own rows; rows of 1-7 queries
+    beside it."""
     heads = dict(num_qo_heads=16, num_kv_heads=2, head_dim=32, page_size=16)
     case = make_case(seq_lens=[70, 9, 130, 33], **heads, seed=11)
+    config = None if tile_rows == "default" else KernelConfig(block_n=32, max_tile_rows=tile_rows)
     _check(case, [16, 1, 7, 4], backend=backend, heads=heads,
-           split_pages=2 if backend == "split" else None,
-           config=KernelConfig(block_n=32, max_tile_rows=tile_rows))
+           split_pages=2 if backend == "split" else None, config=config)
 
 
 def test_queries_past_a_short_last_split():
