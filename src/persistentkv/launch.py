@@ -243,14 +243,14 @@ class DecodeLauncher:
         tiles = dict(kv_fp8=fp8, tile_rows=cfg.block_rows(tile_rows=max_queries * group))
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=group, head_dim=plan.head_dim,
-            page_size=plan.page_size, block_n=plan.config.tile_tokens(**tiles),
-            return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(plan.config, q.device),
+            page_size=plan.page_size, block_n=cfg.tile_tokens(**tiles),
+            return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(cfg, q.device),
             max_queries=max_queries,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
             v_transposed=self.kv_layout == "HND_VT",
-            long_block_n=plan.config.long_tile_tokens(**tiles),
-            long_from_tokens=plan.config.long_from_tokens,
+            long_block_n=cfg.long_tile_tokens(**tiles),
+            long_from_tokens=cfg.long_from_tokens,
             m_blocks=cfg.row_blocks(tile_rows=max_queries * group))
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace

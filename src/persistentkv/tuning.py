@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .runtime import next_power_of_2
+
 
 # tiles of more query rows than this take long_block_n for every task (KernelConfig.tile_tokens)
 LONG_TILE_MAX_ROWS = 16
@@ -64,7 +66,7 @@ class KernelConfig:
     def row_blocks(self, *, tile_rows: int) -> int:
         """Programs (M-blocks) that share a task whose tile has tile_rows query rows (padded to
         a power of two, at least 16): 1, or enough blocks of max_tile_rows rows."""
-        padded = max(16, 1 << max(0, tile_rows - 1).bit_length())
+        padded = max(16, next_power_of_2(tile_rows))
         if self.max_tile_rows is None or padded <= self.max_tile_rows:
             return 1
         return padded // self.max_tile_rows

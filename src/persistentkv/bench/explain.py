@@ -26,8 +26,8 @@ from .runner import ModelShape
 @dataclass(frozen=True)
 class StepPlanReport:
     """One planned step, as the kernels will run it. Tokens per task are a task's KV tokens;
-    items are (task, KV head, M-block) triples; rounds = items / programs, where programs claim items (a
-    balanced plan runs one chunk a program: one round)."""
+    items are (task, KV head, M-block) triples; rounds = items / programs, where programs claim
+    items (a balanced plan runs one chunk a program: one round)."""
 
     choice: str                   # the schedule and split the planner took (the policy's, or given)
     decided_by: str               # who chose: the backend given, a fitted policy, the default rule
