@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        e2e ...]
+#                                        padrows|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -50,7 +50,8 @@
 # gpt-oss-tp8's small cells under 1.00x with larger splits, whole rows and chunks, twice (v27: B8
 # L4K 0.94x, 256 tasks of 128 tokens); mblocks: 16 queries a row at llama3-70b and qwen2.5-7b,
 # the default's M-blocks of 64 rows against blocks of 32 and two stages, twice (v31: 0.64-0.87x
-# FlashInfer's prefill on B1 there);
+# FlashInfer's prefill on B1 there); padrows: 32-row tiles (8 queries at group 4, 4 at group 8)
+# padded to 64 rows, which Triton compiles to the warp-group MMA, against mma.sync, twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -283,6 +284,17 @@ for step in $steps; do
                      --backends pkv-auto,pkv-auto:tilerows32,pkv-auto:stages2,fi-prefill \
                      --out "$out/mblocks" --tag "$preset-q16-$i" > "$out/mblocks/$preset-q16-$i-log.txt" 2>&1
                    tail -1 "$out/mblocks/$preset-q16-$i-log.txt"
+                 done
+               done ;;
+    padrows)   mkdir -p "$out/padrows"   # 32-row tiles padded to 64 (the warp-group MMA)
+               for i in $repeats; do   # twice, for the noise
+                 for run in "llama3-8b 8" "llama3-70b 4" "gpt-oss 4"; do
+                   set -- $run
+                   timeout 150 python3 -m persistentkv.cli bench --grid --preset $1 --q-len $2 \
+                     --cells "B1 L1K,B1 L8K,B4 L1K,B8 L8K,B32 L1K,B32 L8K" \
+                     --backends pkv-auto,pkv-auto:padrows64,fi-prefill \
+                     --out "$out/padrows" --tag "$1-q$2-$i" > "$out/padrows/$1-q$2-$i-log.txt" 2>&1
+                   tail -1 "$out/padrows/$1-q$2-$i-log.txt"
                  done
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits

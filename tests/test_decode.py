@@ -388,6 +388,12 @@ def test_m_blocks_rule_and_checks():
     with pytest.raises(ValueError, match="KernelConfig.max_tile_rows must be a power of two >= "
                                          "16, got 24"):
         KernelConfig(max_tile_rows=24)
+    # min_tile_rows pads a block of more than 16 rows, never one of 16 or fewer
+    assert [decode_constexprs(**shape, m_blocks=m, min_tile_rows=64)["G_PAD"]
+            for m in (1, 2, 4, 8)] == [128, 64, 64, 16]
+    with pytest.raises(ValueError, match="KernelConfig.min_tile_rows must be a power of two >= "
+                                         "16, got 48"):
+        KernelConfig(min_tile_rows=48)
 
 
 @pytest.mark.gpu

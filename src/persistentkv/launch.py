@@ -251,7 +251,8 @@ class DecodeLauncher:
             v_transposed=self.kv_layout == "HND_VT",
             long_block_n=cfg.long_tile_tokens(**tiles),
             long_from_tokens=cfg.long_from_tokens,
-            m_blocks=cfg.row_blocks(tile_rows=max_queries * group))
+            m_blocks=cfg.row_blocks(tile_rows=max_queries * group),
+            min_tile_rows=cfg.min_tile_rows)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).

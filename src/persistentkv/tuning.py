@@ -46,6 +46,9 @@ class KernelConfig:
     measured (v31, 16 queries a row): 128-row tiles in two blocks of 64 took gpt-oss B1 L1K from
     22.8 to 10.6 us and llama3-70b (64/8/128) B32 L1K from 176 to 68; blocks of 32 lost on the
     larger steps (gpt-oss B32 L1K 93 us), and of 16 at llama3-8b's 32 rows on all but B1 L1K.
+    min_tile_rows: a program's tile of more than 16 query rows is padded to at least this many
+    (64: Triton compiles tl.dot on sm_90 to the warp-group MMA only for tiles of 64 rows; 32
+    rows run mma.sync).
     """
 
     block_n: int = 64
@@ -62,6 +65,7 @@ class KernelConfig:
     long_block_n: int | None = None
     long_from_tokens: int = 2048
     max_tile_rows: int | None = 64
+    min_tile_rows: int = 16
 
     def row_blocks(self, *, tile_rows: int) -> int:
         """Programs (M-blocks) that share a task whose tile has tile_rows query rows (padded to
@@ -74,6 +78,12 @@ class KernelConfig:
     def block_rows(self, *, tile_rows: int) -> int:
         """Query rows of one program's tile: tile_rows, or an M-block's share of them."""
         return -(-tile_rows // self.row_blocks(tile_rows=tile_rows))
+
+    def program_rows(self, *, tile_rows: int) -> int:
+        """Rows of one program's tile (G_PAD): a block's rows as a power of two, at least 16, and
+        past 16 at least min_tile_rows."""
+        rows = max(16, next_power_of_2(tile_rows)) // self.row_blocks(tile_rows=tile_rows)
+        return rows if rows <= 16 else max(rows, self.min_tile_rows)
 
     def tile_tokens(self, *, kv_fp8: bool, tile_rows: int = 1) -> int:
         """Tokens per K/V tile for a cache of this kind and tiles of tile_rows query rows (query
@@ -104,7 +114,7 @@ class KernelConfig:
         value = self.balanced_from_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, got {value!r}")
-        for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows"):
+        for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows", "min_tile_rows"):
             value = getattr(self, name)
             if value is None and name != "block_n":
                 continue

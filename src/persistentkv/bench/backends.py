@@ -395,7 +395,8 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "maxreg": ("max_registers", int),
                    "longblockn": ("long_block_n", lambda text: int(text) or None),
                    "longfrom": ("long_from_tokens", int),
-                   "tilerows": ("max_tile_rows", lambda text: int(text) or None)}
+                   "tilerows": ("max_tile_rows", lambda text: int(text) or None),
+                   "padrows": ("min_tile_rows", int)}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -461,7 +462,8 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
     (registers a thread), ':longblocknN' and ':longfromT' (the tile of tasks of at least T
     tokens; ':longblockn0' none of their own), ':tilerowsR' (a program's query rows: a task of
-    more runs as M-blocks of R), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3',
+    more runs as M-blocks of R), ':padrowsR' (a program's tile of more than 16 rows padded to
+    at least R), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3',
     'pkv-auto:pdl1'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """

@@ -152,7 +152,7 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         merge_chain=merge_chain(int(splits.max())),
         task_tokens=(int(tokens.min()), int(np.median(tokens)), int(tokens.max())),
         items=items, programs=plan.programs, rounds=1.0 if chunks else items / plan.programs,
-        tile_rows=rows, m_blocks=m_blocks, g_pad=max(16, next_power_of_2(rows)) // m_blocks,
+        tile_rows=rows, m_blocks=m_blocks, g_pad=config.program_rows(tile_rows=rows),
         block_n=config.tile_tokens(kv_fp8=fp8, tile_rows=block_rows), long_block_n=long_tile,
         long_from_tokens=config.long_from_tokens if long_tile else 0,
         num_warps=config.num_warps, num_stages=config.num_stages)
