@@ -38,7 +38,7 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
                                    long_block_n=cfg.long_tile_tokens(**tiles),
                                    long_from_tokens=cfg.long_from_tokens,
                                    m_blocks=cfg.row_blocks(tile_rows=rows),
-                                   min_tile_rows=cfg.min_tile_rows,
+                                   g_pad=cfg.program_rows(tile_rows=rows),
                                    **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}

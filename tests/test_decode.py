@@ -388,9 +388,16 @@ def test_m_blocks_rule_and_checks():
     with pytest.raises(ValueError, match="KernelConfig.max_tile_rows must be a power of two >= "
                                          "16, got 24"):
         KernelConfig(max_tile_rows=24)
-    # min_tile_rows pads a block of more than 16 rows, never one of 16 or fewer
-    assert [decode_constexprs(**shape, m_blocks=m, min_tile_rows=64)["G_PAD"]
-            for m in (1, 2, 4, 8)] == [128, 64, 64, 16]
+    # min_tile_rows pads a whole tile of more than 16 rows, never one of 16 or fewer, nor an
+    # M-block (whose rows place the next block's)
+    assert [KernelConfig(min_tile_rows=64, max_tile_rows=m).program_rows(tile_rows=n)
+            for m, n in ((None, 32), (None, 8), (64, 128), (32, 128), (32, 32), (16, 128))] == \
+        [64, 16, 64, 32, 32, 16]
+    assert decode_constexprs(**shape, m_blocks=1, g_pad=256)["G_PAD"] == 256
+    for m, g in ((1, 64), (1, 192), (4, 64)):
+        with pytest.raises(ValueError, match=f"g_pad must be a power of two of at least the "
+                                             f"{128 // m} rows of a program .*, got {g}"):
+            decode_constexprs(**shape, m_blocks=m, g_pad=g)
     with pytest.raises(ValueError, match="KernelConfig.min_tile_rows must be a power of two >= "
                                          "16, got 48"):
         KernelConfig(min_tile_rows=48)

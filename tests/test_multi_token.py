@@ -57,6 +57,7 @@ def test_padded_tile_rows_every_schedule(backend):
     case = make_case(seq_lens=[70, 9, 130, 33], **heads, seed=12)
     config = KernelConfig(block_n=32, min_tile_rows=64)
     assert config.program_rows(tile_rows=32) == 64 and config.program_rows(tile_rows=16) == 16
+    assert KernelConfig().min_tile_rows == 64   # the default pads
     _check(case, [8, 1, 7, 4], backend=backend, heads=heads,
            split_pages=2 if backend == "split" else None, config=config)
 

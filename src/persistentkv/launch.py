@@ -252,7 +252,7 @@ class DecodeLauncher:
             long_block_n=cfg.long_tile_tokens(**tiles),
             long_from_tokens=cfg.long_from_tokens,
             m_blocks=cfg.row_blocks(tile_rows=max_queries * group),
-            min_tile_rows=cfg.min_tile_rows)
+            g_pad=cfg.program_rows(tile_rows=max_queries * group))
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).

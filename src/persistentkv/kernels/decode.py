@@ -481,7 +481,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       token_scales: bool = False, pdl: bool = False,
                       v_transposed: bool = False, long_block_n: int = 0,
                       long_from_tokens: int = 0, m_blocks: int = 1,
-                      min_tile_rows: int = 16) -> dict:
+                      g_pad: int | None = None) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -490,15 +490,20 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     9.0+, never under the interpreter: launch.use_pdl decides); v_transposed: the HND_VT layout's
     V blocks; long_block_n: the tile of the tasks of at least long_from_tokens tokens (0: block_n
     for every task; KernelConfig.long_tile_tokens); m_blocks: programs that share a task's
-    tile rows, G_PAD each (KernelConfig.row_blocks); min_tile_rows: a block of more than 16 rows
-    is padded to at least this many (KernelConfig.program_rows)."""
+    tile rows (KernelConfig.row_blocks); g_pad: rows of one program's tile (None: the tile's
+    rows over m_blocks, at least 16; KernelConfig.program_rows pads them)."""
     rows = next_power_of_2(max_queries * group)
     if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
         raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
                          f"got {m_blocks}")
-    g_pad = max(16, rows) // m_blocks
+    block = max(16, rows) // m_blocks
+    if g_pad is None:
+        g_pad = block
+    elif g_pad & (g_pad - 1) or g_pad < block or (m_blocks > 1 and g_pad != block):
+        raise ValueError(f"g_pad must be a power of two of at least the {block} rows of a "
+                         f"program (exactly them with M-blocks), got {g_pad}")
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, Q_PAD=max_queries,
-                G_PAD=g_pad if g_pad <= 16 else max(g_pad, min_tile_rows), HEAD_DIM=head_dim,
+                G_PAD=g_pad, HEAD_DIM=head_dim,
                 D_PAD=next_power_of_2(head_dim), PAGE_SIZE=page_size, BLOCK_N=block_n,
                 G_MERGE=rows // m_blocks, RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
