@@ -48,16 +48,16 @@ def test_m_blocks_every_schedule(backend, tile_rows):
            split_pages=2 if backend == "split" else None, config=config)
 
 
+@pytest.mark.parametrize("min_tile_rows", [16, 64])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_padded_tile_rows_every_schedule(backend):
-    """A row's 8 queries x group 4 (32 tile rows) in a tile padded to 64 rows (min_tile_rows,
-    the size Triton gives the warp-group MMA); rows of 1-7 queries beside it, whose tiles pad
-    too. The padded rows must neither read past q nor write."""
+def test_padded_tile_rows_every_schedule(backend, min_tile_rows):
+    """A row's 8 queries x group 4 (32 tile rows) in a tile padded to 64 rows (the default
+    min_tile_rows, the size Triton gives the warp-group MMA) or not padded (16); rows of 1-7
+    queries beside it. The padded rows must neither read past q nor write."""
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=32, page_size=16)
     case = make_case(seq_lens=[70, 9, 130, 33], **heads, seed=12)
-    config = KernelConfig(block_n=32, min_tile_rows=64)
-    assert config.program_rows(tile_rows=32) == 64 and config.program_rows(tile_rows=16) == 16
-    assert KernelConfig().min_tile_rows == 64   # the default pads
+    config = KernelConfig(block_n=32, min_tile_rows=min_tile_rows)
+    assert config.program_rows(tile_rows=32) == max(32, min_tile_rows)
     _check(case, [8, 1, 7, 4], backend=backend, heads=heads,
            split_pages=2 if backend == "split" else None, config=config)
 
