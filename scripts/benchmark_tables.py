@@ -24,6 +24,9 @@ against the run's reference and its agreement with it, and issue 19's bars (>= 1
 requests of about 4K-token prompts; 95% of the first 32 greedy tokens); a control implementation
 (paged|eager) is reported beside ours. PDL: per step of `persistentkv layer-chain` (--pdl FILES),
 us per layer of each setting and its ratio to PDL off.
+Runs: per grid cell and backend (--runs FILES, grids of the same command run more than once),
+each run's us per layer in graph replay side by side, and with --vs BACKEND the best of each
+backend over that one's (the repeated A/B tables of BENCHMARKS.md and docs/perf-notes.md).
 A/B: per grid cell (--ab-a FILES --ab-b FILES, runs of two trees alternated in one machine run),
 each tree's fastest run of a backend (--ab-backend, default pkv-auto), B's time over A's, and each
 tree's spread over its own runs (the noise the ratio is read against); the geometric mean.
@@ -42,6 +45,8 @@ Run: python scripts/benchmark_tables.py results/h200/grid.json results/h200/eval
          [--json results/h200/e2e.json]
      python scripts/benchmark_tables.py --pdl results/h200/experiments/v16/pdl{,-b1,-b64}.json
          [--json results/h200/pdl.json]
+     python scripts/benchmark_tables.py --runs results/h100/v32/padrows/llama3-8b-q8-{1,2}.json
+         [--vs fi-prefill]
 """
 import argparse
 import json
@@ -507,6 +512,41 @@ def ab_table(a_paths, b_paths, backend="pkv-auto") -> str:
     return "\n".join(out)
 
 
+def runs_table(paths, vs=None) -> str:
+    """Cells x backends of grid runs of one command: each run's graph us per layer, joined by
+    ', ' (a run where the backend failed or was skipped: its status); with `vs`, the fastest run
+    of each backend over the fastest of `vs` (above 1: slower)."""
+    runs = [_rows(path) for path in paths]
+    cases = list(dict.fromkeys(c for _, _, cs in runs for c in cs))
+    backends = list(dict.fromkeys(r["backend"] for data, _, _ in runs for r in data["summary"]
+                                  if r["backend"] != "fi-best"))
+    if vs is not None and vs not in backends:
+        raise SystemExit(f"--vs {vs!r} is none of the runs' backends {backends}")
+
+    def times(case, backend):
+        cells = [by.get((case, backend)) for _, by, _ in runs]
+        return [r["graph_us_per_layer"] if r and r["status"] == "ok" else (r["status"] if r else "-")
+                for r in cells]
+
+    head = ["cell", *backends, *([f"best / best {vs}"] if vs else [])]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case in cases:
+        cols = [", ".join(f"{t:.2f}" if isinstance(t, float) else t for t in times(case, b))
+                for b in backends]
+        if vs:
+            base = min((t for t in times(case, vs) if isinstance(t, float)), default=None)
+            ratios = []
+            for b in backends:
+                best = min((t for t in times(case, b) if isinstance(t, float)), default=None)
+                ratios.append(f"{b} {best / base:.3f}" if best and base and b != vs else None)
+            cols.append("; ".join(r for r in ratios if r))
+        out.append(f"| {case} | " + " | ".join(cols) + " |")
+    devices = sorted({data["environment"].get("device", "?") for data, _, _ in runs})
+    out.append("")
+    out.append(f"{len(paths)} runs on {', '.join(devices)}; us per layer, graph replay.")
+    return "\n".join(out)
+
+
 def _write_json(path, summary) -> None:
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
@@ -529,6 +569,10 @@ def main():
     parser.add_argument("--ab-a", nargs="+", metavar="GRID", help="tree A's grid runs")
     parser.add_argument("--ab-b", nargs="+", metavar="GRID", help="tree B's grid runs")
     parser.add_argument("--ab-backend", default="pkv-auto")
+    parser.add_argument("--runs", nargs="+", metavar="GRID",
+                        help="grid runs of one command, side by side")
+    parser.add_argument("--vs", metavar="BACKEND", help="with --runs: each backend's best over "
+                        "this one's")
     parser.add_argument("--e2e", nargs="+", help="JSON files of `persistentkv e2e`")
     parser.add_argument("--pdl", nargs="+", help="JSON files of `persistentkv layer-chain`")
     parser.add_argument("--json", help="with --queries, --variants, --fp8, --e2e or --pdl: write "
@@ -551,6 +595,10 @@ def main():
         print(variants_table(summary))
         if args.json:
             _write_json(args.json, summary)
+    if args.runs:
+        print(runs_table(args.runs, args.vs))
+    elif args.vs:
+        raise SystemExit("--vs goes with --runs")
     if args.ab_a or args.ab_b:
         if not (args.ab_a and args.ab_b):
             raise SystemExit("--ab-a and --ab-b go together")
