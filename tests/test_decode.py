@@ -403,6 +403,28 @@ def test_m_blocks_rule_and_checks():
         KernelConfig(min_tile_rows=48)
 
 
+def test_compiled_kernels_one_per_specialization():
+    """compiled_kernels lists what run() compiled: one kernel for two runs of one plan, a second
+    for a plan of another tile (several queries a row); none under the interpreter."""
+    case = make_case(seq_lens=[40, 3, 90], num_qo_heads=8, num_kv_heads=2, head_dim=32,
+                     page_size=16, seed=5)
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=32, page_size=16)
+    wrapper = DecodeWrapper(case.layout)
+    assert wrapper.compiled_kernels == ()
+    wrapper.plan(**csr_kwargs(case.table), **heads)
+    for _ in range(2):
+        check(case, wrapper, wrapper.run(case.q, case.kv_cache))
+    counts = [len(wrapper.compiled_kernels)]
+    q = torch.randn(6, 8, 32, dtype=case.q.dtype, device=case.q.device)
+    qo_indptr = torch.tensor([0, 2, 3, 6], dtype=torch.int32, device=case.q.device)
+    wrapper.plan(**csr_kwargs(case.table), **heads, qo_indptr=qo_indptr)
+    wrapper.run(q, case.kv_cache)
+    counts.append(len(wrapper.compiled_kernels))
+    assert counts == ([1, 2] if ON_GPU else [0, 0])
+    if ON_GPU:
+        assert all(k.metadata.num_warps >= 1 for k in wrapper.compiled_kernels)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="device='cuda' names a CUDA device")
 def test_gpu_wrapper_on_cuda_takes_tables_on_the_current_device():
@@ -441,8 +463,7 @@ def test_gpu_pdl_matches_the_default_eagerly_and_in_a_graph():
             out = torch.full_like(case.q, float("nan"))
             wrapper.run(case.q, case.kv_cache, out=out)
             check(case, wrapper, out)
-        compiled = list(wrapper._launcher._launcher.compiled.values())
-        assert [c.metadata.launch_pdl for c in compiled] == [pdl]
+        assert [c.metadata.launch_pdl for c in wrapper.compiled_kernels] == [pdl]
         outs[pdl] = out
         graph_out = torch.full_like(case.q, float("nan"))
         q = case.q.clone()

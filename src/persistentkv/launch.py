@@ -118,6 +118,11 @@ class DecodeLauncher:
         self._launcher = Launcher(paged_decode_kernel)
         self._prepared: dict = {}
 
+    @property
+    def compiled_kernels(self) -> tuple:
+        """The kernel's compiled specializations so far (none under the interpreter)."""
+        return tuple(self._launcher.compiled.values())
+
     def run(self, plan, q, kv_cache, out, return_lse: bool, sinks=None, scales=(None, None, None)):
         """Launch one layer; returns (out, lse or None). scales: (k_scale, v_scale, kv_scales) of
         an fp8 cache (run()'s arguments), all None for fp16/bf16."""

@@ -110,6 +110,13 @@ class DecodeWrapper:
                              f"the pool (they read page 0): the page table is wrong")
 
     @property
+    def compiled_kernels(self) -> tuple:
+        """The decode kernels run() has compiled, one per specialization (Triton's compiled
+        kernels: `.metadata` holds num_warps, num_stages, shared memory and launch_pdl, `.n_regs`
+        the registers once launched). Empty under Triton's interpreter, which compiles none."""
+        return self._launcher.compiled_kernels
+
+    @property
     def current_plan(self) -> DecodePlan:
         """The last plan() result."""
         if self._plan is None:
