@@ -421,8 +421,6 @@ def test_compiled_kernels_one_per_specialization():
     wrapper.run(q, case.kv_cache)
     counts.append(len(wrapper.compiled_kernels))
     assert counts == ([1, 2] if ON_GPU else [0, 0])
-    if ON_GPU:
-        assert all(k.metadata.num_warps >= 1 for k in wrapper.compiled_kernels)
 
 
 @pytest.mark.gpu
