@@ -66,3 +66,17 @@ def test_max_registers_reaches_the_compiler():
     capped = _compile_check("--variants", "kv_fp8,v_transposed", "--max-registers", "168")[0]
     assert int(regs.search(free).group(1)) > 168, free
     assert int(regs.search(capped).group(1)) <= 168, capped
+
+
+def test_padded_tiles_take_the_warp_group_mma():
+    """A 32-row tile (8 queries a row at group 4) runs mma.sync; padded to 64 rows (the default
+    min_tile_rows) it runs the warp-group MMA, which Triton picks on sm_90 only for 64-row tiles.
+    Both without spills. If a Triton release changes that choice, the padding's reason is gone."""
+    mma = re.compile(r"(\d+) HMMA, (\d+) wgmma")
+    padded = _compile_check("--shape", "4,128,8")[0]
+    plain = _compile_check("--shape", "4,128,8", "--config", "min_tile_rows=16")[0]
+    assert "stack 0 B" in padded and "stack 0 B" in plain, (padded, plain)
+    hmma, wgmma = map(int, mma.search(padded).groups())
+    assert hmma == 0 and wgmma > 0, padded
+    hmma, wgmma = map(int, mma.search(plain).groups())
+    assert hmma > 0 and wgmma == 0, plain
