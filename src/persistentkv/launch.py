@@ -244,8 +244,8 @@ class DecodeLauncher:
                  plan.logits_soft_cap or 1.0)
         group = plan.num_qo_heads // plan.num_kv_heads
         max_queries = 1 if plan.queries is None else plan.queries.max_per_row
-        cfg = plan.config
-        tiles = dict(kv_fp8=fp8, tile_rows=cfg.block_rows(tile_rows=max_queries * group))
+        cfg, tile_rows = plan.config, max_queries * group
+        tiles = dict(kv_fp8=fp8, tile_rows=cfg.block_rows(tile_rows=tile_rows))
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=group, head_dim=plan.head_dim,
             page_size=plan.page_size, block_n=cfg.tile_tokens(**tiles),
@@ -256,8 +256,8 @@ class DecodeLauncher:
             v_transposed=self.kv_layout == "HND_VT",
             long_block_n=cfg.long_tile_tokens(**tiles),
             long_from_tokens=cfg.long_from_tokens,
-            m_blocks=cfg.row_blocks(tile_rows=max_queries * group),
-            g_pad=cfg.program_rows(tile_rows=max_queries * group))
+            m_blocks=cfg.row_blocks(tile_rows=tile_rows),
+            g_pad=cfg.program_rows(tile_rows=tile_rows))
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
