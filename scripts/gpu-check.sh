@@ -51,7 +51,8 @@
 # L4K 0.94x, 256 tasks of 128 tokens); mblocks: 16 queries a row at llama3-70b and qwen2.5-7b,
 # the default's M-blocks of 64 rows against blocks of 32 and two stages, twice (v31: 0.64-0.87x
 # FlashInfer's prefill on B1 there); padrows: 32-row tiles (8 queries at group 4, 4 at group 8)
-# padded to 64 rows, which Triton compiles to the warp-group MMA, against mma.sync, twice;
+# padded to 64 rows (the default), which Triton compiles to the warp-group MMA, against mma.sync
+# (:padrows16, no padding), twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -292,7 +293,7 @@ for step in $steps; do
                    set -- $run
                    timeout 150 python3 -m persistentkv.cli bench --grid --preset $1 --q-len $2 \
                      --cells "B1 L1K,B1 L8K,B4 L1K,B8 L8K,B32 L1K,B32 L8K" \
-                     --backends pkv-auto,pkv-auto:padrows64,fi-prefill \
+                     --backends pkv-auto:padrows16,pkv-auto,fi-prefill \
                      --out "$out/padrows" --tag "$1-q$2-$i" > "$out/padrows/$1-q$2-$i-log.txt" 2>&1
                    tail -1 "$out/padrows/$1-q$2-$i-log.txt"
                  done
