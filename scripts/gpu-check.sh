@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        padrows|e2e ...]
+#                                        padrows|widepad|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -53,7 +53,8 @@
 # the default's M-blocks of 64 rows against blocks of 32 and two stages, twice (v31: 0.64-0.87x
 # FlashInfer's prefill on B1 there); padrows: 32-row tiles (8 queries at group 4, 4 at group 8)
 # padded to 64 rows (the default), which Triton compiles to the warp-group MMA, against mma.sync
-# (:padrows16, no padding), twice;
+# (:padrows16, no padding), twice; widepad: gemma2-9b at 16 queries a row (32-row tiles at head
+# dim 256) with v33's rule (no padding past head dim 128) against tiles padded to 64, twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -298,6 +299,14 @@ for step in $steps; do
                      --out "$out/padrows" --tag "$1-q$2-$i" > "$out/padrows/$1-q$2-$i-log.txt" 2>&1
                    tail -1 "$out/padrows/$1-q$2-$i-log.txt"
                  done
+               done ;;
+    widepad)   mkdir -p "$out/widepad"   # v33: no padded tiles past head dim 128, against them
+               for i in $repeats; do   # twice, for the noise
+                 timeout 200 python3 -m persistentkv.cli bench --grid --preset gemma2-9b --q-len 16 \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B8 L8K,B32 L1K,B32 L8K" \
+                   --backends pkv-auto,pkv-auto:padrows64,fi-prefill \
+                   --out "$out/widepad" --tag "gemma2-9b-q16-$i" > "$out/widepad/gemma2-9b-q16-$i-log.txt" 2>&1
+                 tail -1 "$out/widepad/gemma2-9b-q16-$i-log.txt"
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
                for i in $repeats; do   # twice, for the noise

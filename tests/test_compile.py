@@ -80,3 +80,17 @@ def test_padded_tiles_take_the_warp_group_mma():
     assert hmma == 0 and wgmma > 0, padded
     hmma, wgmma = map(int, mma.search(plain).groups())
     assert hmma > 0 and wgmma == 0, plain
+
+
+def test_tiles_past_head_dim_128_are_not_padded():
+    """At head dim 256 a 32-row tile (4 queries a row at group 8) padded to 64 rows spills and
+    needs more shared memory than two programs an SM can have; the default leaves it at 32 rows,
+    without spills. If a Triton release compiles the padded tile without spills, the rule's
+    reason is gone (tuning.default_config)."""
+    resources = re.compile(r"stack (\d+) B, (\d+) B shared")
+    default = _compile_check("--shape", "8,256,4")[0]
+    padded = _compile_check("--shape", "8,256,4", "--config", "min_tile_rows=64")[0]
+    (stack, shared), (padded_stack, padded_shared) = (
+        map(int, resources.search(line).groups()) for line in (default, padded))
+    assert stack == 0 and shared <= 228 * 1024 // 2, default
+    assert padded_stack > 0 and padded_shared > 228 * 1024 // 2, padded

@@ -49,7 +49,8 @@ class KernelConfig:
     min_tile_rows: a program's tile of more than 16 query rows is padded to at least this many
     (Triton compiles tl.dot on sm_90 to the warp-group MMA only for tiles of 64 rows; 32 rows
     run mma.sync). 64 measured (v32, H100): 32-row tiles (8 queries at group 4, 4 at group 8)
-    padded to 64 ran 1-7% faster on every cell, llama3-8b's 8-query B1 L1K 12.05 -> 11.2 us.
+    padded to 64 ran 1-7% faster on every cell, llama3-8b's 8-query B1 L1K 12.05 -> 11.2 us;
+    16 (none) past head dim 128 (default_config).
     """
 
     block_n: int = 64
@@ -159,11 +160,14 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     256 tokens at head dim 64, cost gpt-oss-tp8's small cells up to 17%, and 64 at head dim 256
     changed nothing). An fp8 cache at head dim 128 reads tiles of 128 tokens, the fp16 tile's
     bytes (v11: 1.12x geomean over the fp16 tile per tensor, 1.38x per token; per tensor 1-13%
-    slower on the cells of under 40 MB of fp16 KV)."""
+    slower on the cells of under 40 MB of fp16 KV). Tiles of more than 16 query rows are padded
+    to 64 (min_tile_rows) at head dims up to 128 only, where it was measured (v32); past 128 the
+    padded tile spills and takes one program an SM (compiled for sm_90a, 32 rows: head dim 256
+    no stack and 84 KB -> 96-112 B of stack and 131 KB; 512, 128 B -> 1600 B and 99 -> 164 KB)."""
     if head_dim > 256:
-        return KernelConfig(block_n=16, min_split_tokens=32)
+        return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16)
     if head_dim > 128:
-        return KernelConfig(block_n=32)
+        return KernelConfig(block_n=32, min_tile_rows=16)
     if head_dim <= 64 and num_kv_heads >= 4:
         return KernelConfig(block_n=64, fp8_block_n=128, long_block_n=128, long_from_tokens=1024)
     return KernelConfig(fp8_block_n=128 if head_dim == 128 else None)
