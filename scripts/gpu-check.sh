@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        padrows|widepad|e2e ...]
+#                                        padrows|widepad|d256regs|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -55,6 +55,8 @@
 # padded to 64 rows (the default), which Triton compiles to the warp-group MMA, against mma.sync
 # (:padrows16, no padding), twice; widepad: gemma2-9b at 16 queries a row (32-row tiles at head
 # dim 256) with v33's rule (no padding past head dim 128) against tiles padded to 64, twice;
+# d256regs: gemma2-9b's grid with a register cap of 176 or 224 (the compiler's own choice, 168,
+# spills 24 B at group 2, head dim 256), twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -307,6 +309,13 @@ for step in $steps; do
                    --backends pkv-auto,pkv-auto:padrows64,fi-prefill \
                    --out "$out/widepad" --tag "gemma2-9b-q16-$i" > "$out/widepad/gemma2-9b-q16-$i-log.txt" 2>&1
                  tail -1 "$out/widepad/gemma2-9b-q16-$i-log.txt"
+               done ;;
+    d256regs)  mkdir -p "$out/d256regs"   # v33: gemma2-9b's decode tile spills 24 B at 168 registers
+               for i in $repeats; do   # twice, for the noise
+                 timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
+                   --backends pkv-auto,pkv-auto:maxreg176,pkv-auto:maxreg224,fi-cuda-core,fi-tensor-core \
+                   --out "$out/d256regs" --tag "gemma2-9b-$i" > "$out/d256regs/gemma2-9b-$i-log.txt" 2>&1
+                 tail -1 "$out/d256regs/gemma2-9b-$i-log.txt"
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
                for i in $repeats; do   # twice, for the noise
