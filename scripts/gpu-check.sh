@@ -19,8 +19,9 @@
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
 # 64); pdl: the layer chain with PDL off and on (three steps), and the attention steps alone with
 # and without it; d256: gemma2-9b's tiles and splits on the mixed batches where FlashInfer's
-# CUDA-core path is ahead (v19: 0.96-0.99x on B8 traces); d512: head dim 512's splits of at least 32 tokens (v33)
-# against 128 (before), and 32-token tiles at 8 warps (v21's small-step winner); qtiles:
+# CUDA-core path is ahead (v19: 0.96-0.99x on B8 traces); d512: head dim 512's splits of at
+# least 32 tokens (v33) against 128 (before), and 32-token tiles at 8 warps (v21's small-step
+# winner); qtiles:
 # launch shapes for rows of 4, 8 and 16 queries (8 warps, one program an SM; 32-token tiles; 2
 # stages; splits down to 32 tokens); smallcells: three programs an SM on one KV head's small steps
 # (llama3-70b-tp8, gpt-oss-tp8); longsplit: v17's balanced chunks for long splits against the rule

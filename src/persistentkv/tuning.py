@@ -157,8 +157,8 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     spill, 81 KB (scripts/compile_check.py; timed in v10: 0.93-0.98x FlashInfer where
     bandwidth-bound), and splits of at least 32 tokens there, not 128 (v33, H100: B1 L1K 17.6 ->
     13.2 us, B1 L8K 4% faster, the other cells within noise; the same floor in bytes elsewhere,
-    256 tokens at head dim 64, cost gpt-oss-tp8's small cells up to 17%, and 64 at head dim 256
-    changed nothing). An fp8 cache at head dim 128 reads tiles of 128 tokens, the fp16 tile's
+    256 tokens at head dim 64, cost gpt-oss-tp8's small cells up to 18%, and 64 at head dim 256
+    gained nothing). An fp8 cache at head dim 128 reads tiles of 128 tokens, the fp16 tile's
     bytes (v11: 1.12x geomean over the fp16 tile per tensor, 1.38x per token; per tensor 1-13%
     slower on the cells of under 40 MB of fp16 KV). Tiles of more than 16 query rows are padded
     to 64 (min_tile_rows) at head dims up to 128 only, where it was measured (v32); past 128 the

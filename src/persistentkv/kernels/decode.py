@@ -3,10 +3,10 @@
 A task is (row, KV head, split): tokens [tok_lo, tok_hi) of the row, as the planner wrote them
 (kernels/plan.py). Each K/V tile is loaded once and used for all GROUP query heads (padded to
 G_PAD >= 16 rows for tl.dot; a whole tile of more than 16 to KernelConfig.min_tile_rows, 64 by
-default up to head dim 128, which Triton compiles to the warp-group MMA on sm_90). A task of more rows (several
-queries a row x GROUP) than KernelConfig.max_tile_rows runs as M_BLOCKS programs of G_PAD rows
-each. A row read by one task writes its output directly; a row cut into several tasks writes
-normalized partials (o, lse) that merge.py combines.
+default up to head dim 128, which Triton compiles to the warp-group MMA on sm_90). A task of
+more rows (several queries a row x GROUP) than KernelConfig.max_tile_rows runs as M_BLOCKS
+programs of G_PAD rows each. A row read by one task writes its output directly; a row cut into
+several tasks writes normalized partials (o, lse) that merge.py combines.
 
 Grid: (programs,), persistent: each program runs one item, then the rest of its chunk (a balanced
 plan) or the items it claims from a counter (a split or grouped step of more than one round).
