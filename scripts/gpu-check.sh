@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        padrows|widepad|d256regs|e2e ...]
+#                                        padrows|widepad|d256regs|d512q|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -58,6 +58,8 @@
 # dim 256) with v33's rule (no padding past head dim 128) against tiles padded to 64, twice;
 # d256regs: gemma2-9b's grid with a register cap of 176 or 224 (the compiler's own choice, 168,
 # spills 24 B at group 2, head dim 256), twice;
+# d512q: head dim 512 at 8 queries a row (64-row tiles, 1640 B of stack) in M-blocks of 32 and
+# 16 rows (368 and 8 B), twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -317,6 +319,14 @@ for step in $steps; do
                    --backends pkv-auto,pkv-auto:maxreg176,pkv-auto:maxreg224,fi-cuda-core,fi-tensor-core \
                    --out "$out/d256regs" --tag "gemma2-9b-$i" > "$out/d256regs/gemma2-9b-$i-log.txt" 2>&1
                  tail -1 "$out/d256regs/gemma2-9b-$i-log.txt"
+               done ;;
+    d512q)     mkdir -p "$out/d512q"   # v33: head dim 512 at 8 queries a row: M-blocks against spills
+               for i in $repeats; do   # twice, for the noise
+                 timeout 250 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
+                   --head-dim 512 --q-len 8 --cells "B1 L1K,B1 L8K,B4 L1K,B8 L8K,B32 L1K,B32 L8K" \
+                   --backends pkv-auto,pkv-auto:tilerows32,pkv-auto:tilerows16,fi-prefill \
+                   --out "$out/d512q" --tag "d512-q8-$i" > "$out/d512q/d512-q8-$i-log.txt" 2>&1
+                 tail -1 "$out/d512q/d512-q8-$i-log.txt"
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
                for i in $repeats; do   # twice, for the noise
