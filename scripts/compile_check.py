@@ -4,7 +4,8 @@ cp.async use and the deepest `cp.async.wait_group` (0 means no tile is kept in f
 iterations: the K/V loads are not really pipelined), and counts the SASS instructions (all,
 shared-memory loads LDS and ldmatrix LDSM, shared stores STS, global loads LDG, byte permutes
 PRMT, 16-byte cp.async LDGSTS.128).
-Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90]
+Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90] (without --shape: the presets'
+groups and head dims, one query a row, each with its default config).
 """
 import argparse
 import dataclasses
@@ -141,7 +142,8 @@ def main():
                              "'block_n=64,long_block_n=128' (long_block_n=0: none)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
-    shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 128, 1), (16, 256, 1))
+    shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 64, 1), (8, 128, 1),
+                                                    (7, 128, 1), (2, 256, 1), (8, 512, 1))
     if args.queries:
         shapes = tuple((4, 128, n) for n in (2, 4, 8, 16))
     if args.shape:
