@@ -31,16 +31,10 @@ POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr":
 def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_queries: int = 1,
                    variants: tuple[str, ...] = ()):
     cfg = config or default_config(head_dim=head_dim, num_kv_heads=8)
-    rows = max_queries * group
-    tiles = dict(kv_fp8="kv_fp8" in variants, tile_rows=cfg.block_rows(tile_rows=rows))
+    tile = cfg.tile_shape(tile_rows=max_queries * group, kv_fp8="kv_fp8" in variants)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
-                                   block_n=cfg.tile_tokens(**tiles),
                                    return_lse=False, upcast=False, max_queries=max_queries,
-                                   long_block_n=cfg.long_tile_tokens(**tiles),
-                                   long_from_tokens=cfg.long_from_tokens,
-                                   m_blocks=cfg.row_blocks(tile_rows=rows),
-                                   g_pad=cfg.program_rows(tile_rows=rows),
-                                   **{name: True for name in variants})
+                                   **tile, **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}
     for name in names:

@@ -244,20 +244,16 @@ class DecodeLauncher:
                  plan.logits_soft_cap or 1.0)
         group = plan.num_qo_heads // plan.num_kv_heads
         max_queries = 1 if plan.queries is None else plan.queries.max_per_row
-        cfg, tile_rows = plan.config, max_queries * group
-        tiles = dict(kv_fp8=fp8, tile_rows=cfg.block_rows(tile_rows=tile_rows))
+        cfg = plan.config
         constexprs = decode_constexprs(
             num_kv_heads=plan.num_kv_heads, group=group, head_dim=plan.head_dim,
-            page_size=plan.page_size, block_n=cfg.tile_tokens(**tiles),
-            return_lse=return_lse, upcast=interpreting(), pdl=use_pdl(cfg, q.device),
+            page_size=plan.page_size, return_lse=return_lse, upcast=interpreting(),
+            pdl=use_pdl(cfg, q.device),
             max_queries=max_queries,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
             v_transposed=self.kv_layout == "HND_VT",
-            long_block_n=cfg.long_tile_tokens(**tiles),
-            long_from_tokens=cfg.long_from_tokens,
-            m_blocks=cfg.row_blocks(tile_rows=tile_rows),
-            g_pad=cfg.program_rows(tile_rows=tile_rows))
+            **cfg.tile_shape(tile_rows=max_queries * group, kv_fp8=fp8))
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).

@@ -91,6 +91,17 @@ class KernelConfig:
             return rows
         return max(rows, min(self.min_tile_rows, self.max_tile_rows or self.min_tile_rows))
 
+    def tile_shape(self, *, tile_rows: int, kv_fp8: bool) -> dict:
+        """decode_constexprs' tile arguments for tasks of tile_rows query rows (query tokens x
+        group) over a cache of this kind: block_n, long_block_n, long_from_tokens, m_blocks and
+        g_pad (the K/V tiles are a program's block's, the rows the whole tile's)."""
+        block = self.block_rows(tile_rows=tile_rows)
+        return dict(block_n=self.tile_tokens(kv_fp8=kv_fp8, tile_rows=block),
+                    long_block_n=self.long_tile_tokens(kv_fp8=kv_fp8, tile_rows=block),
+                    long_from_tokens=self.long_from_tokens,
+                    m_blocks=self.row_blocks(tile_rows=tile_rows),
+                    g_pad=self.program_rows(tile_rows=tile_rows))
+
     def tile_tokens(self, *, kv_fp8: bool, tile_rows: int = 1) -> int:
         """Tokens per K/V tile for a cache of this kind and tiles of tile_rows query rows (query
         tokens x group): long_block_n for every task past LONG_TILE_MAX_ROWS rows."""

@@ -139,12 +139,11 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
     splits = np.bincount(records[:, 0], minlength=len(lens))
     chunks = info["num_chunks"]
     rows = next_power_of_2(q_len) * (shape.num_qo_heads // shape.num_kv_heads)
-    m_blocks, block_rows = config.row_blocks(tile_rows=rows), config.block_rows(tile_rows=rows)
-    items = (chunks or info["num_tasks"]) * shape.num_kv_heads * m_blocks
     fp8 = shape.kv_fp8 is not None
+    tile = config.tile_shape(tile_rows=rows, kv_fp8=fp8)
+    items = (chunks or info["num_tasks"]) * shape.num_kv_heads * tile["m_blocks"]
     features = StepFeatures.of(lens, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                                elem_size=1 if fp8 else 2)
-    long_tile = config.long_tile_tokens(kv_fp8=fp8, tile_rows=block_rows)
     return StepPlanReport(
         choice=str(info["choice"]), decided_by=decided_by, policy_bin=features.bin(),
         split_tokens=info["split_tokens"],
@@ -152,7 +151,7 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         merge_chain=merge_chain(int(splits.max())),
         task_tokens=(int(tokens.min()), int(np.median(tokens)), int(tokens.max())),
         items=items, programs=plan.programs, rounds=1.0 if chunks else items / plan.programs,
-        tile_rows=rows, m_blocks=m_blocks, g_pad=config.program_rows(tile_rows=rows),
-        block_n=config.tile_tokens(kv_fp8=fp8, tile_rows=block_rows), long_block_n=long_tile,
-        long_from_tokens=config.long_from_tokens if long_tile else 0,
+        tile_rows=rows, m_blocks=tile["m_blocks"], g_pad=tile["g_pad"], block_n=tile["block_n"],
+        long_block_n=tile["long_block_n"],
+        long_from_tokens=tile["long_from_tokens"] if tile["long_block_n"] else 0,
         num_warps=config.num_warps, num_stages=config.num_stages)
