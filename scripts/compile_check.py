@@ -57,8 +57,9 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if "pdl" in variants:   # as launch.py launches it: the option lands in the kernel's metadata
         options["launch_pdl"] = True
-    if cfg.max_registers is not None:   # as launch.py launches it
-        options["maxnreg"] = cfg.max_registers
+    max_registers = cfg.registers(tile_rows=max_queries * group)
+    if max_registers is not None:   # as launch.py launches it
+        options["maxnreg"] = max_registers
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
@@ -133,7 +134,8 @@ def main():
                                         "8,64,16: 16 query tokens a row)")
     parser.add_argument("--config", default="",
                         help="KernelConfig fields over the shape's default, e.g. "
-                             "'block_n=64,long_block_n=128' (long_block_n=0: none)")
+                             "'block_n=64,long_block_n=128' (long_block_n=0 or =none: none; "
+                             "max_registers=none: the compiler's choice)")
     args = parser.parse_args()
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 64, 1), (8, 128, 1),
@@ -143,7 +145,8 @@ def main():
     if args.shape:
         group, head_dim, *queries = (int(x) for x in args.shape.split(","))
         shapes = ((group, head_dim, queries[0] if queries else 1),)
-    fields = {k: int(v) for k, v in (f.split("=") for f in args.config.split(",") if f)}
+    fields = {k: None if v == "none" else int(v)
+              for k, v in (f.split("=") for f in args.config.split(",") if f)}
     if fields.get("long_block_n") == 0:   # off, as the bench's ':longblockn0'
         fields["long_block_n"] = None
     if args.max_registers is not None:

@@ -256,6 +256,8 @@ def test_config_variants_are_checked_like_the_defaults():
     assert _pkv_variant("pkv-auto:blockn64:longblockn128:longfrom1024") == (
         "auto", None, {"block_n": 64, "long_block_n": 128, "long_from_tokens": 1024})
     assert _pkv_variant("pkv-auto:longblockn0") == ("auto", None, {"long_block_n": None})
+    assert _pkv_variant("pkv-auto:maxreg0:maxregrows32") == (
+        "auto", None, {"max_registers": None, "max_registers_rows": 32})
     assert _override_suffix({"long_block_n": None, "block_n": 128}) == ":longblockn0:blockn128"
     for bad in (0, 100, 256, True, 168.0):
         with pytest.raises(ValueError, match=re.escape(

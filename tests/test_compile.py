@@ -94,3 +94,30 @@ def test_tiles_past_head_dim_128_are_not_padded():
         map(int, resources.search(line).groups()) for line in (default, padded))
     assert stack == 0 and shared <= 228 * 1024 // 2, default
     assert padded_stack > 0 and padded_shared > 228 * 1024 // 2, padded
+
+
+def test_head_dim_256_caps_small_tiles_and_not_wide_ones():
+    """At head dim 256 the compiler alone holds a one-query tile to 168 registers (three programs
+    an SM, where the persistent grid runs two) and spills; the default's cap of 224 removes the
+    spill. A 32-row tile (16 queries at group 2) is left to the compiler: under the cap it spills
+    more (tuning.default_config). If a Triton release compiles the one-query tile without spills
+    uncapped, the cap's reason is gone."""
+    spill = re.compile(r"(\d+) registers, stack (\d+) B")
+    capped = _compile_check("--shape", "2,256")[0]
+    free = _compile_check("--shape", "2,256", "--config", "max_registers=none")[0]
+    wide = _compile_check("--shape", "2,256,16")[0]
+    (regs, stack), (_, free_stack), (wide_regs, _) = (
+        map(int, spill.search(line).groups()) for line in (capped, free, wide))
+    assert stack == 0 and 168 < regs <= 224, capped
+    assert free_stack > 0, free
+    assert wide_regs > 224, wide
+
+
+def test_head_dim_512_runs_wide_tiles_as_blocks_of_16_rows():
+    """At head dim 512 a 64-row tile (8 queries at group 8) spills over a kilobyte a thread; the
+    default runs it as four M-blocks of 16 rows, which spill at most a few bytes."""
+    stack = re.compile(r"stack (\d+) B")
+    blocks = _compile_check("--shape", "8,512,8")[0]
+    whole = _compile_check("--shape", "8,512,8", "--config", "max_tile_rows=64")[0]
+    assert int(stack.search(blocks).group(1)) <= 16, blocks
+    assert int(stack.search(whole).group(1)) > 1024, whole

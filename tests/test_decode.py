@@ -403,6 +403,26 @@ def test_m_blocks_rule_and_checks():
         KernelConfig(min_tile_rows=48)
 
 
+def test_register_cap_by_program_rows():
+    """max_registers caps the programs of at most max_registers_rows rows (padded program rows,
+    not a task's), every program where that is None; head dim 256's default caps one query a row
+    and not 16 at group 2, head dim 512's runs tiles past 16 rows as blocks of 16."""
+    from persistentkv.tuning import KernelConfig, default_config
+
+    cfg = KernelConfig(max_registers=224, max_registers_rows=16, min_tile_rows=16)
+    assert [cfg.registers(tile_rows=n) for n in (1, 16, 17, 32)] == [224, 224, None, None]
+    assert KernelConfig(max_registers=224, max_tile_rows=16).registers(tile_rows=128) == 224
+    assert KernelConfig(max_registers=200).registers(tile_rows=128) == 200
+    assert KernelConfig().registers(tile_rows=1) is None
+    d256 = default_config(head_dim=256, num_kv_heads=8)
+    assert [d256.registers(tile_rows=2 * q) for q in (1, 8, 16)] == [224, 224, None]
+    d512 = default_config(head_dim=512, num_kv_heads=2)
+    assert [d512.row_blocks(tile_rows=8 * q) for q in (1, 2, 4, 8, 16)] == [1, 1, 2, 4, 8]
+    with pytest.raises(ValueError, match="KernelConfig.max_registers_rows must be a power of two "
+                                         ">= 16, got 8"):
+        KernelConfig(max_registers_rows=8)
+
+
 def test_compiled_kernels_one_per_specialization():
     """compiled_kernels lists what run() compiled: one kernel for two runs of one plan, a second
     for a plan of another tile (several queries a row); none under the interpreter."""

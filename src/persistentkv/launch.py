@@ -254,10 +254,11 @@ class DecodeLauncher:
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
             v_transposed=self.kv_layout == "HND_VT",
             **cfg.tile_shape(tile_rows=max_queries * group, kv_fp8=fp8))
+        max_registers = cfg.registers(tile_rows=max_queries * group)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
-        key = (tuple(constexprs.values()), cfg.num_warps, cfg.num_stages, cfg.max_registers,
+        key = (tuple(constexprs.values()), cfg.num_warps, cfg.num_stages, max_registers,
                q.dtype, strides,
                q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
@@ -267,7 +268,7 @@ class DecodeLauncher:
                                    constexprs=constexprs, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, device_index=q.device.index,
                                    launch_pdl=constexprs["PDL"],
-                                   max_registers=cfg.max_registers)
+                                   max_registers=max_registers)
 
 
 LOG2_E = 1.4426950408889634

@@ -119,8 +119,8 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
         guard_pages(*guard.leading, *guard.fixed, k.shape[0], guard.page_size, guard.csr)
     queries = plan.queries
     max_queries = 1 if queries is None else queries.max_per_row
-    tile = cfg.tile_shape(tile_rows=max_queries * (plan.num_qo_heads // plan.num_kv_heads),
-                          kv_fp8=k.dtype == FP8)
+    tile_rows = max_queries * (plan.num_qo_heads // plan.num_kv_heads)
+    tile = cfg.tile_shape(tile_rows=tile_rows, kv_fp8=k.dtype == FP8)
     return paged_decode(q, k, v, plan.indices,
                         plan.indices if queries is None else queries.indptr, sinks, kv_scales,
                         1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale,
@@ -130,5 +130,5 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                         tile["block_n"], cfg.num_warps, cfg.num_stages, max_queries,
                         plan.window_left,
                         plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT",
-                        cfg.max_registers, tile["long_block_n"], tile["long_from_tokens"],
+                        cfg.registers(tile_rows=tile_rows), tile["long_block_n"], tile["long_from_tokens"],
                         tile["m_blocks"], tile["g_pad"])

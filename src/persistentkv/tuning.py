@@ -36,7 +36,10 @@ class KernelConfig:
     kernel before it on the stream finishes, and waits for that kernel's writes (griddepcontrol.wait)
     before its first load; off by default, measured by `persistentkv layer-chain`.
     max_registers: Triton's `maxnreg`, a cap on the registers of a thread (None: the compiler's
-    choice), so that more programs fit an SM's 64K registers (128 threads each: 168 for three).
+    choice), so that more programs fit an SM's 64K registers (128 threads each: 168 for three),
+    or so that a compiler that aims at three programs an SM (168) does not spill where the
+    persistent grid runs two; max_registers_rows: the cap applies to programs of at most this
+    many query rows only (None: every program; KernelConfig.registers).
     long_block_n: tokens per K/V tile of the tasks of at least long_from_tokens tokens (None:
     block_n for every task; fp16/bf16 caches only): a task's loop is chosen by its length on the
     device, so one plan (and one graph) serves short and long tasks alike.
@@ -64,6 +67,7 @@ class KernelConfig:
     one_round: bool = True
     pdl: bool = False
     max_registers: int | None = None
+    max_registers_rows: int | None = None
     long_block_n: int | None = None
     long_from_tokens: int = 2048
     max_tile_rows: int | None = 64
@@ -90,6 +94,14 @@ class KernelConfig:
         if blocks > 1 or rows <= 16:
             return rows
         return max(rows, min(self.min_tile_rows, self.max_tile_rows or self.min_tile_rows))
+
+    def registers(self, *, tile_rows: int) -> int | None:
+        """Triton's maxnreg for tasks of tile_rows query rows (query tokens x group): max_registers
+        where a program's tile has at most max_registers_rows rows, else None (the compiler's)."""
+        if self.max_registers_rows is not None and \
+                self.program_rows(tile_rows=tile_rows) > self.max_registers_rows:
+            return None
+        return self.max_registers
 
     def tile_shape(self, *, tile_rows: int, kv_fp8: bool) -> dict:
         """decode_constexprs' tile arguments for tasks of tile_rows query rows (query tokens x
@@ -131,7 +143,8 @@ class KernelConfig:
         value = self.balanced_from_tokens
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, got {value!r}")
-        for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows", "min_tile_rows"):
+        for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows", "min_tile_rows",
+                     "max_registers_rows"):
             value = getattr(self, name)
             if value is None and name != "block_n":
                 continue
@@ -174,11 +187,18 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     slower on the cells of under 40 MB of fp16 KV). Tiles of more than 16 query rows are padded
     to 64 (min_tile_rows) at head dims up to 128 only, where it was measured (v32); past 128 the
     padded tile spills and takes one program an SM (compiled for sm_90a, 32 rows: head dim 256
-    no stack and 84 KB -> 96-112 B of stack and 131 KB; 512, 128 B -> 1600 B and 99 -> 164 KB)."""
+    no stack and 84 KB -> 96-112 B of stack and 131 KB; 512, 128 B -> 1600 B and 99 -> 164 KB).
+    Head dim 512 runs tiles of more than 16 rows as M-blocks of 16 (v34, H100: the 64-row tile
+    of 8 queries at group 8 spills 1640 B and ran 2.5-7x slower than blocks of 16 or 32; blocks
+    of 16 took the one-query-step-sized cells 2x over blocks of 32 at 4, 8 and 16 queries and
+    lost 16-31% on the large steps, where both trail FlashInfer's prefill path). Head dim 256
+    caps programs of at most 16 rows at 224 registers (v34, H100: the compiler's 168 spills 24-32
+    B, aiming at three programs an SM where the persistent grid runs two; 0.3-6% faster at 1, 4
+    and 8 queries a row; the 32-row tile of 16 queries lost 1-10% under the cap, so not there)."""
     if head_dim > 256:
-        return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16)
+        return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16)
     if head_dim > 128:
-        return KernelConfig(block_n=32, min_tile_rows=16)
+        return KernelConfig(block_n=32, min_tile_rows=16, max_registers=224, max_registers_rows=16)
     if head_dim <= 64 and num_kv_heads >= 4:
         return KernelConfig(block_n=64, fp8_block_n=128, long_block_n=128, long_from_tokens=1024)
     return KernelConfig(fp8_block_n=128 if head_dim == 128 else None)

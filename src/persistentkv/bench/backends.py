@@ -392,7 +392,8 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "minsplit": ("min_split_tokens", int), "blockn": ("block_n", int),
                    "fp8blockn": ("fp8_block_n", int), "balfrom": ("balanced_from_tokens", int),
                    "pdl": ("pdl", {"0": False, "1": True}.__getitem__),
-                   "maxreg": ("max_registers", int),
+                   "maxreg": ("max_registers", lambda text: int(text) or None),
+                   "maxregrows": ("max_registers_rows", lambda text: int(text) or None),
                    "longblockn": ("long_block_n", lambda text: int(text) or None),
                    "longfrom": ("long_from_tokens", int),
                    "tilerows": ("max_tile_rows", lambda text: int(text) or None),
@@ -460,7 +461,8 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     ':wavesX' (target tasks per SM), ':oneround0|1', ':minsplitT' (smallest split, tokens),
     ':blocknN' (tokens per K/V tile), ':fp8blocknN' (an fp8 cache's), ':balfromT' (the default
     rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
-    (registers a thread), ':longblocknN' and ':longfromT' (the tile of tasks of at least T
+    (registers a thread; 0: the compiler's choice), ':maxregrowsR' (the cap on programs of at
+    most R rows only; 0: on every program), ':longblocknN' and ':longfromT' (the tile of tasks of at least T
     tokens; ':longblockn0' none of their own), ':tilerowsR' (a program's query rows: a task of
     more runs as M-blocks of R), ':padrowsR' (a program's tile of more than 16 rows padded to
     at least R), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3',

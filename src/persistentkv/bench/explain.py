@@ -49,6 +49,7 @@ class StepPlanReport:
     long_from_tokens: int
     num_warps: int
     num_stages: int
+    max_registers: int | None     # Triton's maxnreg of this tile (None: the compiler's choice)
 
     def lines(self) -> list[str]:
         lo, mid, hi = self.task_tokens
@@ -65,7 +66,8 @@ class StepPlanReport:
                 f"tile: {self.tile_rows} query rows ("
                 f"{f'{self.m_blocks} M-blocks of ' if self.m_blocks > 1 else ''}G_PAD "
                 f"{self.g_pad}), {tile}, "
-                f"{self.num_warps} warps, {self.num_stages} stages"]
+                f"{self.num_warps} warps, {self.num_stages} stages"
+                f"{f', at most {self.max_registers} registers' if self.max_registers else ''}"]
 
 
 def merge_chain(num_splits: int) -> tuple[int, ...]:
@@ -154,4 +156,5 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         tile_rows=rows, m_blocks=tile["m_blocks"], g_pad=tile["g_pad"], block_n=tile["block_n"],
         long_block_n=tile["long_block_n"],
         long_from_tokens=tile["long_from_tokens"] if tile["long_block_n"] else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        max_registers=config.registers(tile_rows=rows))
