@@ -56,10 +56,10 @@
 # padded to 64 rows (the default), which Triton compiles to the warp-group MMA, against mma.sync
 # (:padrows16, no padding), twice; widepad: gemma2-9b at 16 queries a row (32-row tiles at head
 # dim 256) with v33's rule (no padding past head dim 128) against tiles padded to 64, twice;
-# d256regs: gemma2-9b's grid with a register cap of 176 or 224 (the compiler's own choice, 168,
-# spills 24 B at group 2, head dim 256), twice;
-# d512q: head dim 512 at 8 queries a row (64-row tiles, 1640 B of stack) in M-blocks of 32 and
-# 16 rows (368 and 8 B), twice;
+# d256regs: gemma2-9b's grid with the default's cap of 224 registers against none (the
+# compiler's own choice, 168, spills 24 B at group 2, head dim 256), twice;
+# d512q: head dim 512 at 4, 8 and 16 queries a row in the default's M-blocks of 16 rows against
+# blocks of 32, twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -313,20 +313,22 @@ for step in $steps; do
                    --out "$out/widepad" --tag "gemma2-9b-q16-$i" > "$out/widepad/gemma2-9b-q16-$i-log.txt" 2>&1
                  tail -1 "$out/widepad/gemma2-9b-q16-$i-log.txt"
                done ;;
-    d256regs)  mkdir -p "$out/d256regs"   # v33: gemma2-9b's decode tile spills 24 B at 168 registers
-               for i in $repeats; do   # twice, for the noise
+    d256regs)  mkdir -p "$out/d256regs"   # v34: gemma2-9b's decode tile capped at 224 registers (the
+               for i in $repeats; do   # default) against the compiler's 168 and its spill; twice
                  timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
-                   --backends pkv-auto,pkv-auto:maxreg176,pkv-auto:maxreg224,fi-cuda-core,fi-tensor-core \
+                   --backends pkv-auto,pkv-auto:maxreg0,fi-cuda-core,fi-tensor-core \
                    --out "$out/d256regs" --tag "gemma2-9b-$i" > "$out/d256regs/gemma2-9b-$i-log.txt" 2>&1
                  tail -1 "$out/d256regs/gemma2-9b-$i-log.txt"
                done ;;
-    d512q)     mkdir -p "$out/d512q"   # v33: head dim 512 at 8 queries a row: M-blocks against spills
-               for i in $repeats; do   # twice, for the noise
-                 timeout 250 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
-                   --head-dim 512 --q-len 8 --cells "B1 L1K,B1 L8K,B4 L1K,B8 L8K,B32 L1K,B32 L8K" \
-                   --backends pkv-auto,pkv-auto:tilerows32,pkv-auto:tilerows16,fi-prefill \
-                   --out "$out/d512q" --tag "d512-q8-$i" > "$out/d512q/d512-q8-$i-log.txt" 2>&1
-                 tail -1 "$out/d512q/d512-q8-$i-log.txt"
+    d512q)     mkdir -p "$out/d512q"   # v34: head dim 512 at 4, 8 and 16 queries a row: M-blocks of 16
+               for q in 4 8 16; do     # (the default) against blocks of 32; FlashInfer's prefill
+                 for i in $repeats; do # path builds its head-dim-512 module on first use (minutes)
+                   timeout 400 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 --num-kv-heads 2 \
+                     --head-dim 512 --q-len $q --cells "B1 L1K,B1 L8K,B4 L1K,B8 L8K,B32 L1K,B32 L8K" \
+                     --backends pkv-auto,pkv-auto:tilerows32,fi-prefill \
+                     --out "$out/d512q" --tag "d512-q$q-$i" > "$out/d512q/d512-q$q-$i-log.txt" 2>&1
+                   tail -1 "$out/d512q/d512-q$q-$i-log.txt"
+                 done
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
                for i in $repeats; do   # twice, for the noise
