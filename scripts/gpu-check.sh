@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        padrows|widepad|d256regs|d512q|e2e ...]
+#                                        padrows|widepad|d256regs|d512q|capregs|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -59,7 +59,8 @@
 # d256regs: gemma2-9b's grid with the default's cap of 224 registers against none (the
 # compiler's own choice, 168, spills 24 B at group 2, head dim 256), twice;
 # d512q: head dim 512 at 4, 8 and 16 queries a row in the default's M-blocks of 16 rows against
-# blocks of 32, twice;
+# blocks of 32, twice; capregs: the one-query grids of llama3-8b, llama3-70b-tp8 and gpt-oss-tp8
+# with a cap of 224 registers against the compiler's 158-168, twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -328,6 +329,15 @@ for step in $steps; do
                      --backends pkv-auto,pkv-auto:tilerows32,fi-prefill \
                      --out "$out/d512q" --tag "d512-q$q-$i" > "$out/d512q/d512-q$q-$i-log.txt" 2>&1
                    tail -1 "$out/d512q/d512-q$q-$i-log.txt"
+                 done
+               done ;;
+    capregs)   mkdir -p "$out/capregs"   # v34: one-query tiles at head dims 64 and 128 under a cap
+               for p in llama3-8b llama3-70b-tp8 gpt-oss-tp8; do   # of 224 registers (no spill to
+                 for i in $repeats; do                             # remove: 168 -> 224 registers)
+                   timeout 250 python3 -m persistentkv.cli bench --grid --preset $p \
+                     --backends pkv-auto,pkv-auto:maxreg224,fi-cuda-core,fi-tensor-core \
+                     --out "$out/capregs" --tag "$p-$i" > "$out/capregs/$p-$i-log.txt" 2>&1
+                   tail -1 "$out/capregs/$p-$i-log.txt"
                  done
                done ;;
     tp8small)  mkdir -p "$out/tp8small"   # gpt-oss-tp8's small cells under 1.00x: their splits
