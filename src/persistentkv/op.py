@@ -130,5 +130,5 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                         tile["block_n"], cfg.num_warps, cfg.num_stages, max_queries,
                         plan.window_left,
                         plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT",
-                        cfg.registers(tile_rows=tile_rows), tile["long_block_n"], tile["long_from_tokens"],
-                        tile["m_blocks"], tile["g_pad"])
+                        cfg.registers(tile_rows=tile_rows), tile["long_block_n"],
+                        tile["long_from_tokens"], tile["m_blocks"], tile["g_pad"])

@@ -462,11 +462,10 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     ':blocknN' (tokens per K/V tile), ':fp8blocknN' (an fp8 cache's), ':balfromT' (the default
     rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
     (registers a thread; 0: the compiler's choice), ':maxregrowsR' (the cap on programs of at
-    most R rows only; 0: on every program), ':longblocknN' and ':longfromT' (the tile of tasks of at least T
-    tokens; ':longblockn0' none of their own), ':tilerowsR' (a program's query rows: a task of
-    more runs as M-blocks of R), ':padrowsR' (a program's tile of more than 16 rows padded to
-    at least R), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3',
-    'pkv-auto:pdl1'.
+    most R rows only; 0: on every program), ':longblocknN' and ':longfromT' (the tile of tasks
+    of at least T tokens; ':longblockn0' none of their own), ':tilerowsR' (a program's query
+    rows: a task of more runs as M-blocks of R), ':padrowsR' (a program's tile of more than 16
+    rows padded to at least R), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3', 'pkv-auto:pdl1'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]
