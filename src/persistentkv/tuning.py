@@ -105,12 +105,14 @@ class KernelConfig:
 
     def tile_shape(self, *, tile_rows: int, kv_fp8: bool) -> dict:
         """decode_constexprs' tile arguments for tasks of tile_rows query rows (query tokens x
-        group) over a cache of this kind: block_n, long_block_n, long_from_tokens, m_blocks and
-        g_pad (the K/V tiles are a program's block's, the rows the whole tile's)."""
+        group) over a cache of this kind: block_n, long_block_n, long_from_tokens (0 without a
+        long tile), m_blocks and g_pad (the K/V tiles are a program's block's, the rows the whole
+        tile's)."""
         block = self.block_rows(tile_rows=tile_rows)
+        long_block_n = self.long_tile_tokens(kv_fp8=kv_fp8, tile_rows=block)
         return dict(block_n=self.tile_tokens(kv_fp8=kv_fp8, tile_rows=block),
-                    long_block_n=self.long_tile_tokens(kv_fp8=kv_fp8, tile_rows=block),
-                    long_from_tokens=self.long_from_tokens,
+                    long_block_n=long_block_n,
+                    long_from_tokens=self.long_from_tokens if long_block_n else 0,
                     m_blocks=self.row_blocks(tile_rows=tile_rows),
                     g_pad=self.program_rows(tile_rows=tile_rows))
 

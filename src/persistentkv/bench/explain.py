@@ -154,7 +154,6 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         task_tokens=(int(tokens.min()), int(np.median(tokens)), int(tokens.max())),
         items=items, programs=plan.programs, rounds=1.0 if chunks else items / plan.programs,
         tile_rows=rows, m_blocks=tile["m_blocks"], g_pad=tile["g_pad"], block_n=tile["block_n"],
-        long_block_n=tile["long_block_n"],
-        long_from_tokens=tile["long_from_tokens"] if tile["long_block_n"] else 0,
+        long_block_n=tile["long_block_n"], long_from_tokens=tile["long_from_tokens"],
         num_warps=config.num_warps, num_stages=config.num_stages,
         max_registers=config.registers(tile_rows=rows))
