@@ -108,14 +108,18 @@ def grid_table(path, previous=None) -> str:
 def evaluation_table(path) -> str:
     data = json.load(open(path))
     out = ["| trace | pkv-auto tokens/s eager | x FI best, eager | x best fixed, eager (best fixed) | "
-           "pkv-auto tokens/s graph | x FI best, graph | x best fixed, graph (best fixed) | picks |",
-           "|---|---|---|---|---|---|---|---|"]
+           "pkv-auto tokens/s graph | x FI best, graph | x best fixed, graph (best fixed) | "
+           "x default rule, eager / graph | picks |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in data["environment"]["evaluation"]:
         picks = ", ".join(f"{k} {v}" for k, v in r["picks"].items())
+        # files written before the default rule's column have no vs_rule_*
+        rule = (f"{r['vs_rule_eager']:.3f} / {r['vs_rule_graph']:.3f}" if "vs_rule_graph" in r
+                else "-")
         out.append(f"| {r['trace']} | {r['auto_eager']:.0f} | {r['vs_fi_best_eager']:.2f} | "
                    f"{r['vs_best_fixed_eager']:.3f} ({r['best_fixed_eager']}) | "
                    f"{r['auto_graph']:.0f} | {r['vs_fi_best_graph']:.2f} | "
-                   f"{r['vs_best_fixed_graph']:.3f} ({r['best_fixed_graph']}) | {picks} |")
+                   f"{r['vs_best_fixed_graph']:.3f} ({r['best_fixed_graph']}) | {rule} | {picks} |")
     return "\n".join(out)
 
 

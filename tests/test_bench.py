@@ -180,6 +180,15 @@ def test_evaluation_table_compares_pkv_auto_with_the_best_fixed_and_flashinfer()
     assert r["vs_best_fixed_graph"] == pytest.approx(300 / 310)
     assert r["vs_fi_best_eager"] == pytest.approx(1.5)
     assert r["vs_fi_best_graph"] == pytest.approx(1.2)
+    # the default rule (pkv-split) beside the best fixed: here the same backend, then a faster one
+    assert (r["vs_rule_eager"], r["vs_rule_graph"]) == (pytest.approx(1.2), pytest.approx(300 / 310))
+    (r,) = evaluation_table(summary + [row("pkv-split@16", 110.0, 320.0)],
+                            [Measured("t", 2, 1, steps)])
+    assert r["vs_best_fixed_graph"] == pytest.approx(300 / 320)
+    assert r["vs_rule_graph"] == pytest.approx(300 / 310)
+    (r,) = evaluation_table([s for s in summary if s["backend"] != "pkv-split"]
+                            + [row("pkv-grouped", 50.0, 100.0)], [Measured("t", 2, 1, steps)])
+    assert math.isnan(r["vs_rule_eager"]) and math.isnan(r["vs_rule_graph"])
     assert evaluation_table([row("pkv-split", 1.0, 1.0)], [Measured("t", 2, 1, steps)]) == []
 
 

@@ -28,6 +28,7 @@ CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-balanced", "pkv-split@8", "pkv-sp
 CALIBRATION_SEEDS = (1, 2)
 HELD_OUT_SEEDS = (100,)
 AUTO = "pkv-auto"   # the policy on the device: what evaluate judges
+DEFAULT_RULE = "pkv-split"   # what a GPU or shape without a fitted policy plans with
 
 # Calibration and evaluation replay the same trace families, at different seeds: the benchmark's
 # suite (1-8 rows) and two large batches, so that the policy has seen steps of 9+ rows.
@@ -148,12 +149,13 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
 
 def evaluation_table(summary: list[dict], measured: list[Measured]) -> list[dict]:
     """Per trace, like the paper's table: pkv-auto's tokens/s in eager and graph mode, its ratio
-    to FlashInfer's best and to the best other backend measured (FlashInfer's entries included),
-    and how often it picked each choice (the step notes)."""
+    to FlashInfer's best, to the best other backend measured (FlashInfer's entries included) and
+    to the default rule (pkv-split, what a GPU or shape without a policy plans with; NaN when it
+    was not measured), and how often it picked each choice (the step notes)."""
     rows = []
     for m in measured:
         mine = {r["backend"]: r for r in summary if r["case"] == m.name and r["status"] == "ok"}
-        auto, fi = mine.get(AUTO), mine.get(FI_BEST)
+        auto, fi, rule = mine.get(AUTO), mine.get(FI_BEST), mine.get(DEFAULT_RULE)
         fixed = [r for name, r in mine.items() if not name.startswith(AUTO) and name != FI_BEST]
         if auto is None or not fixed:
             continue
@@ -166,6 +168,7 @@ def evaluation_table(summary: list[dict], measured: list[Measured]) -> list[dict
             row[f"best_fixed_{mode}"] = f"{best['backend']} {best[key]:.0f}"
             row[f"vs_best_fixed_{mode}"] = auto[key] / best[key] if best[key] else math.nan
             row[f"vs_fi_best_{mode}"] = auto[key] / fi[key] if fi else math.nan
+            row[f"vs_rule_{mode}"] = auto[key] / rule[key] if rule else math.nan
         rows.append(row)
     return rows
 
@@ -199,5 +202,6 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     for row in table:
         print(f"{row['trace']:<22} pkv-auto x FI best: eager {row['vs_fi_best_eager']:.2f} graph "
               f"{row['vs_fi_best_graph']:.2f}; x best fixed: eager {row['vs_best_fixed_eager']:.2f} "
-              f"graph {row['vs_best_fixed_graph']:.2f}; picks {row['picks']}")
+              f"graph {row['vs_best_fixed_graph']:.2f}; x default rule: eager "
+              f"{row['vs_rule_eager']:.3f} graph {row['vs_rule_graph']:.3f}; picks {row['picks']}")
     return table
