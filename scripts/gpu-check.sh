@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        padrows|widepad|d256regs|d512q|capregs|e2e ...]
+#                                        padrows|widepad|d256regs|d512q|capregs|policycost|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -60,7 +60,9 @@
 # compiler's own choice, 168, spills 24 B at group 2, head dim 256), twice;
 # d512q: head dim 512 at 4, 8 and 16 queries a row in the default's M-blocks of 16 rows against
 # blocks of 32, twice; capregs: the one-query grids of llama3-8b, llama3-70b-tp8 and gpt-oss-tp8
-# with a cap of 224 registers against the compiler's 158-168, twice;
+# with a cap of 224 registers against the compiler's 158-168, twice; policycost: the plan, and
+# the plan + runs, of small steps planned by a fitted policy on the device beside the same steps
+# by the rule (v35: a fit whose bins were all the rule's ran 0.1-0.2 us a layer slower);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -225,6 +227,16 @@ for step in $steps; do
                  timeout 150 python3 scripts/probe_step_parts.py --preset "$p" --cells "${pc#*:}" \
                    --json "$out/stepparts/stepparts-$p.json" > "$out/stepparts/stepparts-$p-log.txt" 2>&1
                  cut -c1-300 "$out/stepparts/stepparts-$p-log.txt" | tail -3
+               done ;;
+    policycost) mkdir -p "$out/policycost"   # a plan by the policy beside the rule's, apart
+               # fits whose bins are all (qwen2.5-7b) or all but one (llama3-8b) the rule's (v35)
+               for pc in "qwen2.5-7b:B1 L1K,B4 L1K,B4 zipf,B8 L1K,B32 L1K" \
+                         "llama3-8b:B4 L1K,B4 zipf,B8 bimodal"; do
+                 p=${pc%%:*}
+                 timeout 150 python3 scripts/probe_step_parts.py --preset "$p" --cells "${pc#*:}" \
+                   --policy "results/h100/v35/presets/policy-$p.json" \
+                   --json "$out/policycost/policycost-$p.json" > "$out/policycost/policycost-$p-log.txt" 2>&1
+                 cut -c1-400 "$out/policycost/policycost-$p-log.txt" | tail -5
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's
                for i in $repeats; do

@@ -7,8 +7,11 @@ capture), the plan alone, and one empty kernel launch (a graph's floor). All are
 turn, twice; us per replay and per layer, with the plan's tasks and split. The issue-14
 question: on the small steps FlashInfer's XQA takes (v21: 23 of the matrix's 57 losses, all
 under 30 us), is it the planner, the kernel or the launches that we would have to cut?
+With --policy, also the plan and the plan + runs of a second wrapper that plans the same step
+with that policy on the device (backend "auto"): what the policy's path costs beside the rule's
+(v35: a table whose every bin is the rule's ran 0.1-0.2 us a layer slower on small steps).
 Run: PYTHONPATH=src python scripts/probe_step_parts.py --preset llama3-70b-tp8
-                                --cells "B128 L1K,B32 L1K" [--json out.json]
+                                --cells "B128 L1K,B32 L1K" [--policy fit.json] [--json out.json]
 """
 import argparse
 import json
@@ -21,10 +24,11 @@ from persistentkv.bench.measure import capture_graph, replay_medians
 from persistentkv.bench.results import environment
 from persistentkv.bench.runner import ModelShape
 from persistentkv.bench.suite import grid_cases
+from persistentkv.policy import Policy, load_policy
 import probe_cells   # this script's folder is on sys.path when it runs
 
 
-def step_parts(lens, shape: ModelShape, *, reps: int) -> dict:
+def step_parts(lens, shape: ModelShape, *, reps: int, policy: Policy | None = None) -> dict:
     cache, (indptr, indices, last), qs = probe_cells.cell(lens, shape.num_qo_heads,
                                                           shape.num_kv_heads, shape.head_dim,
                                                           shape.page_size)
@@ -51,6 +55,21 @@ def step_parts(lens, shape: ModelShape, *, reps: int) -> dict:
     flag = torch.zeros(1, device="cuda")
     bodies = {"plan + runs": plan_and_runs, "runs": runs,
               "plan": lambda: wrapper.plan(**plan_kw), "one empty launch": lambda: flag.add_(0)}
+    if policy is not None:
+        auto, auto_kw = DecodeWrapper("HND", policy=policy), {**plan_kw, "backend": "auto"}
+        auto_outs = [torch.full_like(q, float("nan")) for q in qs]
+        auto.plan(**auto_kw)
+        auto.run(qs[0], cache.pools[0], out=auto_outs[0])
+        error = max(error, relative_error(auto_outs[0], ref))
+        auto_choice = str(auto.current_plan.info()["choice"])
+
+        def auto_plan_and_runs():
+            auto.plan(**auto_kw)
+            for i, q in enumerate(qs):
+                auto.run(q, cache.pools[i], out=auto_outs[i])
+
+        bodies.update({"plan + runs, policy": auto_plan_and_runs,
+                       "plan, policy": lambda: auto.plan(**auto_kw)})
     graphs = [capture_graph(body) for body in bodies.values()]
     rounds = [replay_medians(graphs, reps=reps) for _ in range(2)]
     layers = len(qs)
@@ -59,6 +78,8 @@ def step_parts(lens, shape: ModelShape, *, reps: int) -> dict:
            for i, name in enumerate(bodies)}
     row.update(layers=layers, error=error, tasks=int(info["num_tasks"]),
                split_tokens=int(info["split_tokens"]), choice=str(info["choice"]))
+    if policy is not None:
+        row["policy_choice"] = auto_choice
     del cache, qs, outs, graphs
     torch.cuda.empty_cache()
     return row
@@ -70,13 +91,16 @@ def main():
     parser.add_argument("--cells", required=True, help="grid cells, comma-separated")
     parser.add_argument("--reps", type=int, default=20, help="replays per graph and round")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--policy", help="a fitted policy JSON: also time plans that decide with "
+                                         "it on the device")
     args = parser.parse_args()
     shape = ModelShape.of(args.preset)
+    policy = None if args.policy is None else load_policy("", args.policy)
     cells = grid_cases([c.strip() for c in args.cells.split(",")])   # names checked first
     results = {"environment": environment(torch.device("cuda"), command=sys.argv,
                                           functional=False)}
     for name, lens in cells:
-        row = step_parts(lens, shape, reps=args.reps)
+        row = step_parts(lens, shape, reps=args.reps, policy=policy)
         results[f"{args.preset} {name}"] = row
         print(args.preset, name, json.dumps(row), flush=True)
     if args.json:
