@@ -9,7 +9,8 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        padrows|widepad|d256regs|d512q|capregs|policycost|e2e ...]
+#                                        padrows|widepad|d256regs|d512q|capregs|policycost|
+#                                        mblockcross|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -63,6 +64,9 @@
 # with a cap of 224 registers against the compiler's 158-168, twice; policycost: the plan, and
 # the plan + runs, of small steps planned by a fitted policy on the device beside the same steps
 # by the rule (v35: a fit whose bins were all the rule's ran 0.1-0.2 us a layer slower);
+# mblockcross: M-blocks of 16 and of 32 rows beside the default over seven cells from B1 L1K to
+# B32 L8K, at llama3-8b (8 and 16 queries), gemma2-9b (16) and head dim 512 (4, 8 and 16),
+# twice (about 10-15 minutes; RUNS=1 halves it): where the better block turns over, by bytes;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -237,6 +241,21 @@ for step in $steps; do
                    --policy "results/h100/v35/presets/policy-$p.json" \
                    --json "$out/policycost/policycost-$p.json" > "$out/policycost/policycost-$p-log.txt" 2>&1
                  cut -c1-400 "$out/policycost/policycost-$p-log.txt" | tail -5
+               done ;;
+    mblockcross) mkdir -p "$out/mblockcross"   # M-blocks of 16 against 32 (and the default)
+               # by step size, at three shapes and the query counts where the block matters: where
+               # the crossover in K/V bytes lies at each, before a rule that picks the block per step
+               for sq in "llama3-8b:8" "llama3-8b:16" "gemma2-9b:16" "d512:4" "d512:8" "d512:16"; do
+                 s=${sq%%:*}; q=${sq#*:}
+                 if [ "$s" = d512 ]; then shape="--num-qo-heads 16 --num-kv-heads 2 --head-dim 512"
+                 else shape="--preset $s"; fi
+                 for i in $repeats; do
+                   timeout 300 python3 -m persistentkv.cli bench --grid $shape --q-len $q \
+                     --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B8 L8K,B32 L1K,B32 L8K" \
+                     --backends pkv-auto,pkv-auto:tilerows16,pkv-auto:tilerows32 \
+                     --out "$out/mblockcross" --tag "$s-q$q-$i" > "$out/mblockcross/$s-q$q-$i-log.txt" 2>&1
+                   tail -1 "$out/mblockcross/$s-q$q-$i-log.txt"
+                 done
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's
                for i in $repeats; do
