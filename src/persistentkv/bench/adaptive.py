@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..policy import Policy, bin_of, fit_policy, policy_file_name
+from ..policy import Policy, bin_of, fallback_choice, fit_policy, policy_file_name
 from ..schedule import Choice
 from .backends import _pkv_variant, make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
@@ -28,7 +28,7 @@ CANDIDATES = ("pkv-grouped", "pkv-split", "pkv-balanced", "pkv-split@8", "pkv-sp
 CALIBRATION_SEEDS = (1, 2)
 HELD_OUT_SEEDS = (100,)
 AUTO = "pkv-auto"   # the policy on the device: what evaluate judges
-DEFAULT_RULE = "pkv-split"   # what a GPU or shape without a fitted policy plans with
+DEFAULT_RULE = f"pkv-{fallback_choice()}"   # what a GPU or shape without a policy plans with
 
 # Calibration and evaluation replay the same trace families, at different seeds: the benchmark's
 # suite (1-8 rows) and two large batches, so that the policy has seen steps of 9+ rows.
