@@ -10,7 +10,7 @@
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
-#                                        mblockcross|e2e ...]
+#                                        mblockcross|smallstep|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -67,6 +67,9 @@
 # mblockcross: M-blocks of 16 and of 32 rows beside the default over seven cells from B1 L1K to
 # B32 L8K, at llama3-8b (8 and 16 queries), gemma2-9b (16) and head dim 512 (4, 8 and 16),
 # twice (about 10-15 minutes; RUNS=1 halves it): where the better block turns over, by bytes;
+# smallstep: v36's half-size M-blocks on small steps (pkv-auto) against the whole tile
+# (:smallstep0), over the 8-query grid at 32/8/128 with FlashInfer's paths, and six cells at
+# gemma2-9b (16 queries), gpt-oss (8), qwen2.5-7b (8) and llama3-70b (4), once;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -256,6 +259,22 @@ for step in $steps; do
                      --out "$out/mblockcross" --tag "$s-q$q-$i" > "$out/mblockcross/$s-q$q-$i-log.txt" 2>&1
                    tail -1 "$out/mblockcross/$s-q$q-$i-log.txt"
                  done
+               done ;;
+    smallstep) mkdir -p "$out/smallstep"   # v36: small steps' tiles in half-size M-blocks
+               # (pkv-auto) against the whole tile (:smallstep0): the 8-query grid at 32/8/128
+               # with FlashInfer's paths (issue 16), then the cells of 4-67 MB and 134-268 MB
+               # at four more shapes where the rule cuts the tile
+               timeout 280 python3 -m persistentkv.cli bench --grid --q-len 8 \
+                 --backends pkv-auto,pkv-auto:smallstep0,fi-prefill,fi-xqa \
+                 --out "$out/smallstep" --tag llama3-8b-q8 > "$out/smallstep/llama3-8b-q8-log.txt" 2>&1
+               tail -1 "$out/smallstep/llama3-8b-q8-log.txt"
+               for sq in "gemma2-9b:16" "gpt-oss:8" "qwen2.5-7b:8" "llama3-70b:4"; do
+                 s=${sq%%:*}; q=${sq#*:}
+                 timeout 150 python3 -m persistentkv.cli bench --grid --preset $s --q-len $q \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B8 L8K,B32 L1K" \
+                   --backends pkv-auto,pkv-auto:smallstep0 --out "$out/smallstep" \
+                   --tag "$s-q$q" > "$out/smallstep/$s-q$q-log.txt" 2>&1
+                 tail -1 "$out/smallstep/$s-q$q-log.txt"
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's
                for i in $repeats; do

@@ -403,6 +403,29 @@ def test_m_blocks_rule_and_checks():
         KernelConfig(min_tile_rows=48)
 
 
+def test_small_step_tile_rule():
+    """KernelConfig.for_step: a step of at most small_step_kv_bytes_per_sm x SMs bytes of K/V
+    cuts a tile of more than 16 rows into M-blocks of half its rows, where the config cuts it
+    less; anything else keeps the config (the same object)."""
+    from persistentkv.tuning import KernelConfig, default_config
+
+    cfg = KernelConfig(small_step_kv_bytes_per_sm=1000)
+    small, large = dict(kv_bytes=4000, sm_count=4), dict(kv_bytes=4001, sm_count=4)
+    assert [cfg.for_step(tile_rows=n, **small).max_tile_rows for n in (20, 32, 64, 128)] == \
+        [16, 16, 32, 64]
+    assert [cfg.for_step(tile_rows=n, **small) is cfg for n in (1, 16, 128)] == [True] * 3
+    assert cfg.for_step(tile_rows=32, **large) is cfg
+    assert KernelConfig().for_step(tile_rows=32, kv_bytes=0, sm_count=1).max_tile_rows == 64
+    halves = cfg.for_step(tile_rows=64, **small)
+    assert (halves.row_blocks(tile_rows=64), halves.program_rows(tile_rows=64)) == (2, 32)
+    d512 = default_config(head_dim=512, num_kv_heads=2)      # already blocks of 16
+    assert d512.for_step(tile_rows=64, kv_bytes=0, sm_count=132) is d512
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"KernelConfig.small_step_kv_bytes_per_sm must be an "
+                                             f"int >= 0, got {bad!r}"):
+            KernelConfig(small_step_kv_bytes_per_sm=bad)
+
+
 def test_register_cap_by_program_rows():
     """max_registers caps the programs of at most max_registers_rows rows (padded program rows,
     not a task's), every program where that is None; head dim 256's default caps one query a row

@@ -1,5 +1,7 @@
 """Several query tokens per row (qo_indptr): causal attention of a row's last n tokens, against the
 float64 reference, in every schedule and table form; and the errors for a bad qo_indptr."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,7 @@ def _check(case, q_lens, *, backend, table_form="csr", split_pages=None, seed=0,
                                     qo_indptr=qo_indptr, **csr_kwargs(case.table))
     assert relative_error(out, ref) <= TOLERANCE[q.dtype], (q_lens, backend)
     assert relative_error(lse, ref_lse) <= 1e-4, (q_lens, backend)
+    return wrapper.current_plan
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -60,6 +63,36 @@ def test_padded_tile_rows_every_schedule(backend, min_tile_rows):
     assert config.program_rows(tile_rows=32) == max(32, min_tile_rows)
     _check(case, [8, 1, 7, 4], backend=backend, heads=heads,
            split_pages=2 if backend == "split" else None, config=config)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_steps_cut_the_tile_in_half(backend):
+    """The default configuration runs a small step's tile of 8 queries x group 4 (32 rows, one
+    padded 64-row program otherwise) as two M-blocks of 16 (KernelConfig.for_step), correct in
+    every schedule. The threshold counts the K/V the page table can hold, at 16 bits: one byte
+    more than the threshold keeps the whole tile, and so does a deterministic plan."""
+    from persistentkv.tuning import default_config
+
+    case = make_case(seq_lens=[70, 9, 130, 33], **HEADS, seed=13)
+    split = 2 if backend == "split" else None
+    plan = _check(case, [8, 1, 7, 4], backend=backend, split_pages=split)
+    assert (plan.config.row_blocks(tile_rows=32), plan.config.program_rows(tile_rows=32)) == (2, 16)
+    base = default_config(head_dim=HEADS["head_dim"], num_kv_heads=HEADS["num_kv_heads"])
+    assert (base.row_blocks(tile_rows=32), base.program_rows(tile_rows=32)) == (1, 64)
+
+    kwargs = csr_kwargs(case.table)
+    kv_bytes = kwargs["kv_indices"].numel() * 16 * 2 * 64 * 2 * 2   # pages x tokens x Hkv x D x K,V x 2
+    q, qo_indptr = queries(case, [8, 1, 7, 4], 0)
+    for per_sm, rows in ((kv_bytes // 4, 16), (kv_bytes // 4 - 1, 64)):
+        wrapper = DecodeWrapper(case.layout, num_sms=4)
+        config = dataclasses.replace(base, small_step_kv_bytes_per_sm=per_sm)
+        plan = wrapper.plan(**kwargs, **HEADS, backend=backend, split_pages=split,
+                            qo_indptr=qo_indptr, config=config)
+        assert plan.config.program_rows(tile_rows=32) == rows, per_sm
+    if backend == "split":
+        plan = DecodeWrapper(case.layout, max_queries_per_row=8).plan(
+            **kwargs, **HEADS, qo_indptr=qo_indptr, deterministic=True)
+        assert plan.config is base
 
 
 def test_queries_past_a_short_last_split():

@@ -47,6 +47,8 @@ class PlanOptions:
     window_left: int = -1          # positions before each query it sees, -1: all
     logits_soft_cap: float = 0.0   # > 0: scores soft-capped (cap * tanh(s / cap))
     kv_data_type: torch.dtype | None = None   # the cache's dtype run() must get (None: any)
+    tile_by_step: bool = True      # the step's size may cut the tile (KernelConfig.for_step);
+                                   # off in deterministic mode, where the batch must not matter
 
 
 class Workspace:
@@ -215,14 +217,15 @@ class Planner:
             raise ValueError(f"the page table holds {table.pages} page entries, over "
                              f"max_num_pages={self.fixed_pages}")
         q_pad = 1 if queries is None else queries.max_per_row
-        head_items = _head_items(options, q_pad)
+        rows = self.fixed_rows or table.rows
+        pages = self.fixed_pages or table.pages
+        config = self._step_config(options, q_pad=q_pad, rows=rows, pages=pages, device=device)
+        head_items = _head_items(options, config, q_pad)
         setup = self._setups.get((options, device, head_items))
         if setup is None:
             setup = self._setups[options, device, head_items] = self._setup(options, device,
                                                                             head_items)
         code_bins, target, chunks, fixed_tail = setup
-        rows = self.fixed_rows or table.rows
-        pages = self.fixed_pages or table.pages
         need = dict(tasks=max(task_bound(c, rows=rows, pages=pages, target_tasks=target,
                                          chunks=chunks, max_row_pages=table.max_row_pages)
                               for c in code_bins),
@@ -249,15 +252,16 @@ class Planner:
         block_rows = next_power_of_2(max(table.rows, 1))
         leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
         align = tuple(t.data_ptr() % 16 for t in table.leading)
-        bind_key = (options, device, table.csr, block_rows, align, id(ws), ws.generation, q_pad)
+        bind_key = (options, config, device, table.csr, block_rows, align, id(ws), ws.generation,
+                    q_pad)
         launch = self._bound.get(bind_key)
         if launch is None:
             if len(self._bound) > 64:
                 self._bound.clear()
-            launch = self._bound[bind_key] = self._bind(options, table, ws, fixed_tail, block_rows,
-                                                        align, q_pad)
+            launch = self._bound[bind_key] = self._bind(options, config, table, ws, fixed_tail,
+                                                        block_rows, align, q_pad)
         # at least a program per head item: a balanced plan runs one chunk (>= 1) of each
-        programs = min(max(options.config.programs_per_sm * self.sms(device), head_items),
+        programs = min(max(config.programs_per_sm * self.sms(device), head_items),
                        ws.capacity * head_items)
         guard = None if options.check_page_table else PageGuard(
             table, safe=ws.safe_pages, info=ws.info, page_size=options.page_size)
@@ -265,12 +269,12 @@ class Planner:
         plan = DecodePlan(
             batch_size=table.rows, num_qo_heads=options.num_qo_heads,
             num_kv_heads=options.num_kv_heads, head_dim=options.head_dim,
-            page_size=options.page_size, sm_scale=options.sm_scale, config=options.config,
+            page_size=options.page_size, sm_scale=options.sm_scale, config=config,
             window_left=options.window_left, logits_soft_cap=options.logits_soft_cap,
             kv_data_type=options.kv_data_type, choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
             workspace=ws, programs=programs, max_page_index=table.max_page, guard=guard,
             queries=queries, total_queries=table.rows if queries is None else queries.total,
-            launch_key=(id(ws), ws.generation, options, programs, table.max_page, q_pad,
+            launch_key=(id(ws), ws.generation, options, config, programs, table.max_page, q_pad,
                         None if queries is None else queries.indptr.data_ptr() % 16))
         call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])
         launch.with_pointers(*call)
@@ -279,6 +283,22 @@ class Planner:
         self._memo = (tensors, tuple(None if t is None else t.shape for t in tensors), options,
                       plan, launch, call) if on_device else None
         return plan
+
+    def _step_config(self, options: PlanOptions, *, q_pad: int, rows: int, pages: int,
+                     device: torch.device) -> KernelConfig:
+        """The kernel configuration of a step of at most `rows` rows and `pages` page entries
+        (graph mode: the buffers' bounds, so that one graph keeps one tile): options.config, or
+        its tile for small steps (KernelConfig.for_step), by the K/V the table can hold (with a
+        window, the window's tokens a row at most) at 16 bits an element."""
+        if not options.tile_by_step:
+            return options.config
+        tokens = pages * options.page_size
+        if options.window_left >= 0:
+            tokens = min(tokens, rows * (options.window_left + q_pad + options.page_size))
+        group = options.num_qo_heads // options.num_kv_heads
+        return options.config.for_step(
+            tile_rows=q_pad * group, sm_count=self.sms(device),
+            kv_bytes=tokens * options.num_kv_heads * options.head_dim * 2 * 2)
 
     def _setup(self, options: PlanOptions, device: torch.device, head_items: int) -> tuple:
         """What plan() needs of a set of options, once: the choice codes the step may take, each
@@ -310,18 +330,20 @@ class Planner:
         return code_bins, target, chunks, (edges, table, before_split, after_split,
                                            dense is not None)
 
-    def _bind(self, options: PlanOptions, table: PageTableArgs, ws: Workspace, fixed_tail: tuple,
-              block_rows: int, align: tuple, q_pad: int) -> BoundLaunch:
-        """The planner's launch with everything but the page table and its sizes bound. q_pad:
-        the tile's query tokens per row (a window keeps window_left + q_pad positions a row)."""
+    def _bind(self, options: PlanOptions, config: KernelConfig, table: PageTableArgs,
+              ws: Workspace, fixed_tail: tuple, block_rows: int, align: tuple,
+              q_pad: int) -> BoundLaunch:
+        """The planner's launch with everything but the page table and its sizes bound. config:
+        the step's (_step_config); q_pad: the tile's query tokens per row (a window keeps
+        window_left + q_pad positions a row)."""
         edges, dense, before_split, after_split, use_policy = fixed_tail
         group = options.num_qo_heads // options.num_kv_heads
-        smallest_split = min_split_tokens(
-            options.config, tile_rows=options.config.block_rows(tile_rows=q_pad * group))
+        smallest_split = min_split_tokens(config,
+                                          tile_rows=config.block_rows(tile_rows=q_pad * group))
         window_tokens = -1 if options.window_left < 0 else options.window_left + q_pad
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
-                          ONE_ROUND_STEPS=ONE_ROUND_STEPS if options.config.one_round else 0,
+                          ONE_ROUND_STEPS=ONE_ROUND_STEPS if config.one_round else 0,
                           EDGES=POLICY_EDGES)
         key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,
@@ -329,7 +351,7 @@ class Planner:
                                           ws.partial_capacity(
                                               partial_heads=options.num_qo_heads * q_pad,
                                               head_dim=options.head_dim,
-                                              kv_heads=_head_items(options, q_pad)),
+                                              kv_heads=_head_items(options, config, q_pad)),
                                           *before_split, smallest_split, *after_split,
                                           window_tokens),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
@@ -361,11 +383,11 @@ class Planner:
         return tensors
 
 
-def _head_items(options: PlanOptions, q_pad: int) -> int:
-    """Programs that one task takes: a program per KV head, or per M-block of each where a
-    tile of q_pad query tokens x group rows is cut (KernelConfig.row_blocks)."""
+def _head_items(options: PlanOptions, config: KernelConfig, q_pad: int) -> int:
+    """Programs that one task takes: a program per KV head, or per M-block of each where the
+    step's config cuts a tile of q_pad query tokens x group rows (KernelConfig.row_blocks)."""
     group = options.num_qo_heads // options.num_kv_heads
-    return options.num_kv_heads * options.config.row_blocks(tile_rows=q_pad * group)
+    return options.num_kv_heads * config.row_blocks(tile_rows=q_pad * group)
 
 
 def _row_pages(max_row_pages: int | None, longest: int | None, page_size: int) -> int | None:

@@ -4,6 +4,7 @@ Values come from `persistentkv sweep` on the H200 (docs/perf-notes.md has the me
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -12,6 +13,10 @@ from .runtime import next_power_of_2
 
 # tiles of more query rows than this take long_block_n for every task (KernelConfig.tile_tokens)
 LONG_TILE_MAX_ROWS = 16
+# default_config's KernelConfig.small_step_kv_bytes_per_sm: 768 KiB, about 100 MB on 132 SMs.
+# Measured (v36, H100, 8-16 queries a row at 32/8/128 and 16/8/256): M-blocks of half the tile
+# took the steps of 34-67 MB of K/V 5-25% faster, and cost 1-15% on those of 134 MB and more.
+SMALL_STEP_KV_BYTES_PER_SM = 768 << 10
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,10 @@ class KernelConfig:
     run mma.sync). 64 measured (v32, H100): 32-row tiles (8 queries at group 4, 4 at group 8)
     padded to 64 ran 1-7% faster on every cell, llama3-8b's 8-query B1 L1K 12.05 -> 11.2 us;
     16 (none) past head dim 128 (default_config).
+    small_step_kv_bytes_per_sm: the tile of a step whose page table holds at most this many
+    bytes of K/V per SM (counted at 16 bits an element) runs in M-blocks of half its rows
+    (KernelConfig.for_step; 0: never). More, smaller programs take the latency-bound steps;
+    one tile reads each K/V tile once on the bandwidth-bound ones.
     """
 
     block_n: int = 64
@@ -72,6 +81,20 @@ class KernelConfig:
     long_from_tokens: int = 2048
     max_tile_rows: int | None = 64
     min_tile_rows: int = 64
+    small_step_kv_bytes_per_sm: int = 0
+
+    def for_step(self, *, tile_rows: int, kv_bytes: int, sm_count: int) -> KernelConfig:
+        """The configuration a step runs: this one, or for a step of at most
+        small_step_kv_bytes_per_sm x sm_count bytes of K/V (kv_bytes: what its page table can
+        hold, at 16 bits an element), tiles of more than 16 query rows (query tokens x group) cut
+        into M-blocks of half their rows, 16 at least, where this one cuts them less."""
+        if not self.small_step_kv_bytes_per_sm or \
+                kv_bytes > self.small_step_kv_bytes_per_sm * sm_count:
+            return self
+        half = max(16, next_power_of_2(tile_rows) // 2)
+        if tile_rows <= 16 or self.block_rows(tile_rows=tile_rows) <= half:
+            return self
+        return dataclasses.replace(self, max_tile_rows=half)
 
     def row_blocks(self, *, tile_rows: int) -> int:
         """Programs (M-blocks) that share a task whose tile has tile_rows query rows (padded to
@@ -142,9 +165,10 @@ class KernelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        value = self.balanced_from_tokens
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"KernelConfig.balanced_from_tokens must be an int >= 0, got {value!r}")
+        for name in ("balanced_from_tokens", "small_step_kv_bytes_per_sm"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"KernelConfig.{name} must be an int >= 0, got {value!r}")
         for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows", "min_tile_rows",
                      "max_registers_rows"):
             value = getattr(self, name)
@@ -197,10 +221,15 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     caps programs of at most 16 rows at 224 registers (v34, H100: the compiler's 168 spills 24-32
     B, aiming at three programs an SM where the persistent grid runs two; 0.3-6% faster at 1, 4
     and 8 queries a row; the 32-row tile of 16 queries lost 1-10% under the cap, so not there)."""
+    small = SMALL_STEP_KV_BYTES_PER_SM
     if head_dim > 256:
-        return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16)
+        return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16,
+                            small_step_kv_bytes_per_sm=small)
     if head_dim > 128:
-        return KernelConfig(block_n=32, min_tile_rows=16, max_registers=224, max_registers_rows=16)
+        return KernelConfig(block_n=32, min_tile_rows=16, max_registers=224, max_registers_rows=16,
+                            small_step_kv_bytes_per_sm=small)
     if head_dim <= 64 and num_kv_heads >= 4:
-        return KernelConfig(block_n=64, fp8_block_n=128, long_block_n=128, long_from_tokens=1024)
-    return KernelConfig(fp8_block_n=128 if head_dim == 128 else None)
+        return KernelConfig(block_n=64, fp8_block_n=128, long_block_n=128, long_from_tokens=1024,
+                            small_step_kv_bytes_per_sm=small)
+    return KernelConfig(fp8_block_n=128 if head_dim == 128 else None,
+                        small_step_kv_bytes_per_sm=small)

@@ -305,4 +305,5 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
     return PlanOptions(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        page_size=page_size, choice=choice, sm_scale=sm_scale, config=config,
                        check_page_table=check_page_table, window_left=int(window_left),
-                       logits_soft_cap=float(logits_soft_cap), kv_data_type=kv_data_type)
+                       logits_soft_cap=float(logits_soft_cap), kv_data_type=kv_data_type,
+                       tile_by_step=not deterministic)

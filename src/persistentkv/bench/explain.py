@@ -131,12 +131,13 @@ def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_na
         decided_by = f"{gpu_name}'s policy at {'/'.join(map(str, heads))}"
     else:
         decided_by = f"the default rule: no {gpu_name} policy at {'/'.join(map(str, heads))}"
-    return _report(plan, lens, shape=shape, q_len=q_len, config=config, decided_by=decided_by)
+    return _report(plan, lens, shape=shape, q_len=q_len, decided_by=decided_by)
 
 
 def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
-            config: KernelConfig, decided_by: str) -> StepPlanReport:
+            decided_by: str) -> StepPlanReport:
     info, records = plan.info(), plan.task_records()
+    config = plan.config   # the step's: a small step's tile may be cut in M-blocks
     tokens = records[:, 3] - records[:, 2]
     splits = np.bincount(records[:, 0], minlength=len(lens))
     chunks = info["num_chunks"]
