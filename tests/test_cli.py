@@ -169,16 +169,17 @@ def test_explain_reports_the_merge_levels_of_the_most_cut_row(capsys):
 
 
 def test_explain_counts_the_tile_rows_and_the_split_floor_of_many_queries(capsys):
-    """gpt-oss (group 8) at 16 queries a row in one tile (no M-blocks): 128 tile rows, whose
-    splits are at least min_split_tokens x 128 // 32 tokens (schedule.min_split_tokens): 512 by
-    default, so a 1K row is 2 tasks a KV head; 128 with min_split_tokens 32."""
+    """gpt-oss (group 8) at 16 queries a row in one tile (no M-blocks, on small steps either):
+    128 tile rows, whose splits are at least min_split_tokens x 128 // 32 tokens
+    (schedule.min_split_tokens): 512 by default, so a 1K row is 2 tasks a KV head; 128 with
+    min_split_tokens 32."""
     from persistentkv.schedule import MIN_SPLIT_TILE_ROWS
     from persistentkv.tuning import default_config
 
     rows_over = 128 // MIN_SPLIT_TILE_ROWS
     floor = default_config(head_dim=64, num_kv_heads=8).min_split_tokens * rows_over
-    for backend, split in (("pkv-split:tilerows0", floor),
-                           ("pkv-split:tilerows0:minsplit32", 32 * rows_over)):
+    for backend, split in (("pkv-split:tilerows0:smallstep0", floor),
+                           ("pkv-split:tilerows0:smallstep0:minsplit32", 32 * rows_over)):
         assert main(["explain", "--cell", "B1 L1K", "--preset", "gpt-oss", "--q-len", "16",
                      "--backend", backend]) == 0
         out = capsys.readouterr().out

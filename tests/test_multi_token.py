@@ -67,31 +67,34 @@ def test_padded_tile_rows_every_schedule(backend, min_tile_rows):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_small_steps_cut_the_tile_in_half(backend):
-    """The default configuration runs a small step's tile of 8 queries x group 4 (32 rows, one
-    padded 64-row program otherwise) as two M-blocks of 16 (KernelConfig.for_step), correct in
-    every schedule. The threshold counts the K/V the page table can hold, at 16 bits: one byte
-    more than the threshold keeps the whole tile, and so does a deterministic plan."""
+    """The default configuration at head dim 128 runs a small step's tile of 8 queries x group 4
+    (32 rows, one padded 64-row program otherwise) as two M-blocks of 16
+    (KernelConfig.for_step), correct in every schedule. The threshold counts the K/V the page
+    table can hold, at 16 bits: one byte more than the threshold keeps the whole tile, and so
+    do a deterministic plan and head dim 64's default (measured slower there)."""
     from persistentkv.tuning import default_config
 
-    case = make_case(seq_lens=[70, 9, 130, 33], **HEADS, seed=13)
+    heads = dict(HEADS, head_dim=128)
+    case = make_case(seq_lens=[70, 9, 130, 33], **heads, seed=13)
     split = 2 if backend == "split" else None
-    plan = _check(case, [8, 1, 7, 4], backend=backend, split_pages=split)
+    plan = _check(case, [8, 1, 7, 4], backend=backend, split_pages=split, heads=heads)
     assert (plan.config.row_blocks(tile_rows=32), plan.config.program_rows(tile_rows=32)) == (2, 16)
-    base = default_config(head_dim=HEADS["head_dim"], num_kv_heads=HEADS["num_kv_heads"])
+    base = default_config(head_dim=128, num_kv_heads=2)
     assert (base.row_blocks(tile_rows=32), base.program_rows(tile_rows=32)) == (1, 64)
+    assert default_config(head_dim=64, num_kv_heads=2).small_step_kv_bytes_per_sm == 0
 
     kwargs = csr_kwargs(case.table)
-    kv_bytes = kwargs["kv_indices"].numel() * 16 * 2 * 64 * 2 * 2   # pages x tokens x Hkv x D x K,V x 2
+    kv_bytes = kwargs["kv_indices"].numel() * 16 * 2 * 128 * 2 * 2   # pages x tokens x Hkv x D x K,V x 2
     q, qo_indptr = queries(case, [8, 1, 7, 4], 0)
     for per_sm, rows in ((kv_bytes // 4, 16), (kv_bytes // 4 - 1, 64)):
         wrapper = DecodeWrapper(case.layout, num_sms=4)
         config = dataclasses.replace(base, small_step_kv_bytes_per_sm=per_sm)
-        plan = wrapper.plan(**kwargs, **HEADS, backend=backend, split_pages=split,
+        plan = wrapper.plan(**kwargs, **heads, backend=backend, split_pages=split,
                             qo_indptr=qo_indptr, config=config)
         assert plan.config.program_rows(tile_rows=32) == rows, per_sm
     if backend == "split":
         plan = DecodeWrapper(case.layout, max_queries_per_row=8).plan(
-            **kwargs, **HEADS, qo_indptr=qo_indptr, deterministic=True)
+            **kwargs, **heads, qo_indptr=qo_indptr, deterministic=True)
         assert plan.config is base
 
 

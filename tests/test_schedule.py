@@ -6,6 +6,7 @@ numpy oracle (`documented_split`) that shares no code with the kernel; the task 
 a schedule means: every token of every active row in exactly one task, whole-page split
 boundaries, the run order, and partial slots.
 """
+import dataclasses
 import math
 
 import numpy as np
@@ -19,7 +20,7 @@ from persistentkv import DecodeWrapper, PageTable
 from persistentkv.runtime import sm_count
 from persistentkv.schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
                                    chunks_per_head, min_split_tokens)
-from persistentkv.tuning import KernelConfig
+from persistentkv.tuning import SMALL_STEP_KV_BYTES_PER_SM, KernelConfig, default_config
 
 SMS = sm_count(DEVICE)   # 4 on the interpreter (runtime.CPU_SM_COUNT), the GPU's SMs on a GPU
 CFG = KernelConfig()
@@ -232,18 +233,28 @@ def test_small_batches_split_to_about_waves_per_sm():
 
 @pytest.mark.parametrize("q_len, split", [(1, 112), (8, 112), (16, 160)])
 def test_tiles_of_many_query_rows_split_less(q_len, split):
-    """A task's smallest split grows with its tile's rows (query tokens x group) past
-    MIN_SPLIT_TILE_ROWS: at group 4, 16 queries a row (64 rows) split at least 256 tokens, so a
-    300-token row is 2 even splits of 160; 8 queries (32 rows) keep 128: 3 splits of 112."""
+    """A task's smallest split grows with its program's rows (query tokens x group) past
+    MIN_SPLIT_TILE_ROWS: at group 4, 16 queries a row in one tile (64 rows) split at least 256
+    tokens, so a 300-token row is 2 even splits of 160; 8 queries (32 rows) keep 128: 3 splits
+    of 112. (Whole tiles: small steps may cut theirs, and then the floor is a block's.)"""
     table = table_for([300], 16)
     indptr, indices, last = table.csr(DEVICE)
     qo_indptr = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=16, page_size=16)
+    whole = dataclasses.replace(default_config(head_dim=16, num_kv_heads=2),
+                                small_step_kv_bytes_per_sm=0)
     plan = DecodeWrapper("NHD").plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
-                                     num_qo_heads=8, num_kv_heads=2, head_dim=16, page_size=16,
-                                     qo_indptr=None if q_len == 1 else qo_indptr)
+                                     **heads, qo_indptr=None if q_len == 1 else qo_indptr,
+                                     config=whole)
     info, rec = check_tasks(plan, [300], indptr[:-1].cpu().numpy(), 16)
     assert info["split_tokens"] == split and len(rec) == cdiv(300, split)
     assert min_split_tokens(CFG, tile_rows=q_len * 4) == (256 if q_len == 16 else 128)
+    small = dataclasses.replace(whole, small_step_kv_bytes_per_sm=SMALL_STEP_KV_BYTES_PER_SM)
+    cut = DecodeWrapper("NHD").plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                                    **heads, qo_indptr=None if q_len == 1 else qo_indptr,
+                                    config=small).config
+    rows = cut.block_rows(tile_rows=q_len * 4)
+    assert rows == {1: 4, 8: 16, 16: 32}[q_len] and min_split_tokens(cut, tile_rows=rows) == 128
 
 
 PPS_33 = 33 * 8 // SMS   # programs per SM that give 33 chunks per KV head at 8 KV heads

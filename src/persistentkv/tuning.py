@@ -13,9 +13,11 @@ from .runtime import next_power_of_2
 
 # tiles of more query rows than this take long_block_n for every task (KernelConfig.tile_tokens)
 LONG_TILE_MAX_ROWS = 16
-# default_config's KernelConfig.small_step_kv_bytes_per_sm: 768 KiB, about 100 MB on 132 SMs.
-# Measured (v36, H100, 8-16 queries a row at 32/8/128 and 16/8/256): M-blocks of half the tile
-# took the steps of 34-67 MB of K/V 5-25% faster, and cost 1-15% on those of 134 MB and more.
+# default_config's KernelConfig.small_step_kv_bytes_per_sm at head dims of 128 and more: 768 KiB,
+# about 101 MiB on 132 SMs. Measured (v36, H100, 4-16 queries a row at 32/8/128, 64/8/128,
+# 28/4/128 and 16/8/256): M-blocks of half the tile took the steps of 2-67 MB of K/V 5-33%
+# faster, and cost 1-49% on those of 134 MB and more; at head dim 64 (gpt-oss, 8 queries) they
+# lost 1-59% from 8 MB, so not there.
 SMALL_STEP_KV_BYTES_PER_SM = 768 << 10
 
 
@@ -220,8 +222,10 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     lost 16-31% on the large steps, where both trail FlashInfer's prefill path). Head dim 256
     caps programs of at most 16 rows at 224 registers (v34, H100: the compiler's 168 spills 24-32
     B, aiming at three programs an SM where the persistent grid runs two; 0.3-6% faster at 1, 4
-    and 8 queries a row; the 32-row tile of 16 queries lost 1-10% under the cap, so not there)."""
-    small = SMALL_STEP_KV_BYTES_PER_SM
+    and 8 queries a row; the 32-row tile of 16 queries lost 1-10% under the cap, so not there).
+    From head dim 128, small steps run tiles past 16 rows in M-blocks of half their rows
+    (SMALL_STEP_KV_BYTES_PER_SM, v36)."""
+    small = SMALL_STEP_KV_BYTES_PER_SM if head_dim >= 128 else 0
     if head_dim > 256:
         return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16,
                             small_step_kv_bytes_per_sm=small)
