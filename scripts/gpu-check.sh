@@ -10,7 +10,7 @@
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
-#                                        mblockcross|smallstep|e2e ...]
+#                                        mblockcross|smallstep|smallsweep|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -69,7 +69,9 @@
 # twice (about 10-15 minutes; RUNS=1 halves it): where the better block turns over, by bytes;
 # smallstep: v36's half-size M-blocks on small steps (pkv-auto) against the whole tile
 # (:smallstep0), over the 8-query grid at 32/8/128 with FlashInfer's paths, and six cells at
-# gemma2-9b (16 queries), gpt-oss (8), qwen2.5-7b (8) and llama3-70b (4), once;
+# gemma2-9b (16 queries), gpt-oss (8), qwen2.5-7b (8) and llama3-70b (4), once; smallsweep:
+# that rule's threshold off, at its default and doubled, over the cells of 34-268 MB near it
+# (llama3-8b at 8 queries, gemma2-9b at 16, qwen2.5-7b at 8);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -275,6 +277,16 @@ for step in $steps; do
                    --backends pkv-auto,pkv-auto:smallstep0 --out "$out/smallstep" \
                    --tag "$s-q$q" > "$out/smallstep/$s-q$q-log.txt" 2>&1
                  tail -1 "$out/smallstep/$s-q$q-log.txt"
+               done ;;
+    smallsweep) mkdir -p "$out/smallsweep"   # v36's threshold on this GPU: none, 768 KiB an SM
+               # (the default, fitted on an H100) and twice that, over the cells near it
+               for sq in "llama3-8b:8" "gemma2-9b:16" "qwen2.5-7b:8"; do
+                 s=${sq%%:*}; q=${sq#*:}
+                 timeout 180 python3 -m persistentkv.cli bench --grid --preset $s --q-len $q \
+                   --cells "B1 L8K,B8 L1K,B1 L32K,B4 L8K,B8 L4K,B8 zipf,B32 L1K" \
+                   --backends pkv-auto:smallstep0,pkv-auto,pkv-auto:smallstep1572864 \
+                   --out "$out/smallsweep" --tag "$s-q$q" > "$out/smallsweep/$s-q$q-log.txt" 2>&1
+                 tail -1 "$out/smallsweep/$s-q$q-log.txt"
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's
                for i in $repeats; do

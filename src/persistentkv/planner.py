@@ -177,6 +177,7 @@ class Planner:
         self._policy_tensors: dict = {}
         self._shipped: dict = {}           # (GPU name, (Hq, Hkv, head_dim)) -> shipped policy
         self._setups: dict = {}            # (options, device, head items) -> _setup(...)
+        self._step_configs: dict = {}      # (options, q_pad, small step) -> _step_config(...)
         self._bound: dict = {}             # planner launches by options, table form, workspace
         # the last plan: (tensors, shapes, options, plan, planner launch, its leading tensors)
         self._memo: tuple | None = None
@@ -252,8 +253,8 @@ class Planner:
         block_rows = next_power_of_2(max(table.rows, 1))
         leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
         align = tuple(t.data_ptr() % 16 for t in table.leading)
-        bind_key = (options, config, device, table.csr, block_rows, align, id(ws), ws.generation,
-                    q_pad)
+        bind_key = (options, config.max_tile_rows, device, table.csr, block_rows, align, id(ws),
+                    ws.generation, q_pad)
         launch = self._bound.get(bind_key)
         if launch is None:
             if len(self._bound) > 64:
@@ -274,7 +275,8 @@ class Planner:
             kv_data_type=options.kv_data_type, choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
             workspace=ws, programs=programs, max_page_index=table.max_page, guard=guard,
             queries=queries, total_queries=table.rows if queries is None else queries.total,
-            launch_key=(id(ws), ws.generation, options, config, programs, table.max_page, q_pad,
+            launch_key=(id(ws), ws.generation, options, config.max_tile_rows, programs,
+                        table.max_page, q_pad,
                         None if queries is None else queries.indptr.data_ptr() % 16))
         call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])
         launch.with_pointers(*call)
@@ -290,15 +292,22 @@ class Planner:
         (graph mode: the buffers' bounds, so that one graph keeps one tile): options.config, or
         its tile for small steps (KernelConfig.for_step), by the K/V the table can hold (with a
         window, the window's tokens a row at most) at 16 bits an element."""
-        if not options.tile_by_step:
+        if not options.tile_by_step or not options.config.small_step_kv_bytes_per_sm:
             return options.config
         tokens = pages * options.page_size
         if options.window_left >= 0:
             tokens = min(tokens, rows * (options.window_left + q_pad + options.page_size))
-        group = options.num_qo_heads // options.num_kv_heads
-        return options.config.for_step(
-            tile_rows=q_pad * group, sm_count=self.sms(device),
-            kv_bytes=tokens * options.num_kv_heads * options.head_dim * 2 * 2)
+        kv_bytes = tokens * options.num_kv_heads * options.head_dim * 2 * 2
+        sms = self.sms(device)
+        key = (options, q_pad, kv_bytes <= options.config.small_step_kv_bytes_per_sm * sms)
+        config = self._step_configs.get(key)   # one object per outcome: the caches key by it
+        if config is None:
+            if len(self._step_configs) > 64:
+                self._step_configs.clear()
+            group = options.num_qo_heads // options.num_kv_heads
+            config = self._step_configs[key] = options.config.for_step(
+                tile_rows=q_pad * group, kv_bytes=kv_bytes, sm_count=sms)
+        return config
 
     def _setup(self, options: PlanOptions, device: torch.device, head_items: int) -> tuple:
         """What plan() needs of a set of options, once: the choice codes the step may take, each

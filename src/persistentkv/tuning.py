@@ -90,11 +90,11 @@ class KernelConfig:
         small_step_kv_bytes_per_sm x sm_count bytes of K/V (kv_bytes: what its page table can
         hold, at 16 bits an element), tiles of more than 16 query rows (query tokens x group) cut
         into M-blocks of half their rows, 16 at least, where this one cuts them less."""
-        if not self.small_step_kv_bytes_per_sm or \
+        if tile_rows <= 16 or not self.small_step_kv_bytes_per_sm or \
                 kv_bytes > self.small_step_kv_bytes_per_sm * sm_count:
             return self
         half = max(16, next_power_of_2(tile_rows) // 2)
-        if tile_rows <= 16 or self.block_rows(tile_rows=tile_rows) <= half:
+        if self.block_rows(tile_rows=tile_rows) <= half:
             return self
         return dataclasses.replace(self, max_tile_rows=half)
 
