@@ -299,7 +299,7 @@ class Planner:
             tokens = min(tokens, rows * (options.window_left + q_pad + options.page_size))
         kv_bytes = tokens * options.num_kv_heads * options.head_dim * 2 * 2
         sms = self.sms(device)
-        key = (options, q_pad, kv_bytes <= options.config.small_step_kv_bytes_per_sm * sms)
+        key = (options, q_pad, options.config.small_step(kv_bytes=kv_bytes, sm_count=sms))
         config = self._step_configs.get(key)   # one object per outcome: the caches key by it
         if config is None:
             if len(self._step_configs) > 64:

@@ -85,13 +85,17 @@ class KernelConfig:
     min_tile_rows: int = 64
     small_step_kv_bytes_per_sm: int = 0
 
+    def small_step(self, *, kv_bytes: int, sm_count: int) -> bool:
+        """Whether a step whose page table can hold kv_bytes of K/V (at 16 bits an element) is
+        small: at most small_step_kv_bytes_per_sm x sm_count (never when that is 0)."""
+        return (self.small_step_kv_bytes_per_sm > 0
+                and kv_bytes <= self.small_step_kv_bytes_per_sm * sm_count)
+
     def for_step(self, *, tile_rows: int, kv_bytes: int, sm_count: int) -> KernelConfig:
-        """The configuration a step runs: this one, or for a step of at most
-        small_step_kv_bytes_per_sm x sm_count bytes of K/V (kv_bytes: what its page table can
-        hold, at 16 bits an element), tiles of more than 16 query rows (query tokens x group) cut
-        into M-blocks of half their rows, 16 at least, where this one cuts them less."""
-        if tile_rows <= 16 or not self.small_step_kv_bytes_per_sm or \
-                kv_bytes > self.small_step_kv_bytes_per_sm * sm_count:
+        """The configuration a step runs: this one, or for a small step (small_step), tiles of
+        more than 16 query rows (query tokens x group) cut into M-blocks of half their rows, 16
+        at least, where this one cuts them less."""
+        if tile_rows <= 16 or not self.small_step(kv_bytes=kv_bytes, sm_count=sm_count):
             return self
         half = max(16, next_power_of_2(tile_rows) // 2)
         if self.block_rows(tile_rows=tile_rows) <= half:
