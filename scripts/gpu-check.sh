@@ -10,7 +10,8 @@
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
-#                                        mblockcross|smallstep|smallsweep|e2e ...]
+#                                        mblockcross|smallstep|smallsweep|d512cross|
+#                                        e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -72,6 +73,8 @@
 # gemma2-9b (16 queries), gpt-oss (8), qwen2.5-7b (8) and llama3-70b (4), once; smallsweep:
 # that rule's threshold off, at its default and doubled, over the cells of 34-268 MB near it
 # (llama3-8b at 8 queries, gemma2-9b at 16, qwen2.5-7b at 8);
+# d512cross: head dim 512 at 4, 8 and 16 queries, its blocks of 16 against blocks of 32 over
+# 13 cells of 4 MB to 1 GB of K/V (mblockcross's and the sizes between), once (about 5 minutes);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -261,6 +264,17 @@ for step in $steps; do
                      --out "$out/mblockcross" --tag "$s-q$q-$i" > "$out/mblockcross/$s-q$q-$i-log.txt" 2>&1
                    tail -1 "$out/mblockcross/$s-q$q-$i-log.txt"
                  done
+               done ;;
+    d512cross) mkdir -p "$out/d512cross"   # head dim 512 (16/2) at 4, 8 and 16 queries: its
+               # blocks of 16 (the default) against blocks of 32 over 13 cells of 4 MB-1 GB, the
+               # 34-134 MB gap of mblockcross's cells filled (mixes, B1 L32K, B4 L8K, B8 L4K)
+               for q in 4 8 16; do
+                 timeout 190 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 \
+                   --num-kv-heads 2 --head-dim 512 --q-len $q \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B4 zipf,B8 zipf,B1 L32K,B4 L8K,B8 L4K,B32 L1K,B4 bimodal,B8 L8K,B32 L8K" \
+                   --backends pkv-auto,pkv-auto:tilerows32 \
+                   --out "$out/d512cross" --tag "d512-q$q" > "$out/d512cross/d512-q$q-log.txt" 2>&1
+                 tail -1 "$out/d512cross/d512-q$q-log.txt"
                done ;;
     smallstep) mkdir -p "$out/smallstep"   # v36: small steps' tiles in half-size M-blocks
                # (pkv-auto) against the whole tile (:smallstep0): the 8-query grid at 32/8/128
