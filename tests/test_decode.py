@@ -403,27 +403,42 @@ def test_m_blocks_rule_and_checks():
         KernelConfig(min_tile_rows=48)
 
 
-def test_small_step_tile_rule():
-    """KernelConfig.for_step: a step of at most small_step_kv_bytes_per_sm x SMs bytes of K/V
-    cuts a tile of more than 16 rows into M-blocks of half its rows, where the config cuts it
-    less; anything else keeps the config (the same object)."""
+def test_step_size_tile_rule():
+    """KernelConfig.step_size / for_step: a step of at most small_step_kv_bytes_per_sm x SMs bytes
+    of K/V is small and cuts a tile of more than 16 rows into M-blocks of half its rows, where
+    the config cuts it less; one known (exact) to hold more is large and runs tiles of more than
+    large_step_tile_rows rows in blocks of that many, where the config's are smaller; anything
+    else keeps the config (the same object)."""
     from persistentkv.tuning import KernelConfig, default_config
 
     cfg = KernelConfig(small_step_kv_bytes_per_sm=1000)
-    small, large = dict(kv_bytes=4000, sm_count=4), dict(kv_bytes=4001, sm_count=4)
-    assert [cfg.for_step(tile_rows=n, **small).max_tile_rows for n in (20, 32, 64, 128)] == \
+    assert [cfg.step_size(kv_bytes=b, exact=e, sm_count=4)
+            for b, e in ((4000, False), (4000, True), (4001, False), (4001, True))] == \
+        ["small", "small", "either", "large"]
+    assert KernelConfig().step_size(kv_bytes=1, exact=True, sm_count=4) == "either"
+    assert [cfg.for_step(tile_rows=n, size="small").max_tile_rows for n in (20, 32, 64, 128)] == \
         [16, 16, 32, 64]
-    assert [cfg.for_step(tile_rows=n, **small) is cfg for n in (1, 16, 128)] == [True] * 3
-    assert cfg.for_step(tile_rows=32, **large) is cfg
-    assert KernelConfig().for_step(tile_rows=32, kv_bytes=0, sm_count=1).max_tile_rows == 64
-    halves = cfg.for_step(tile_rows=64, **small)
+    assert [cfg.for_step(tile_rows=n, size="small") is cfg for n in (1, 16, 128)] == [True] * 3
+    assert cfg.for_step(tile_rows=32, size="either") is cfg
+    assert cfg.for_step(tile_rows=32, size="large") is cfg          # no large_step_tile_rows
+    halves = cfg.for_step(tile_rows=64, size="small")
     assert (halves.row_blocks(tile_rows=64), halves.program_rows(tile_rows=64)) == (2, 32)
-    d512 = default_config(head_dim=512, num_kv_heads=2)      # already blocks of 16
-    assert d512.for_step(tile_rows=64, kv_bytes=0, sm_count=132) is d512
+    d512 = default_config(head_dim=512, num_kv_heads=2)      # blocks of 16; 32 on large steps
+    assert [d512.for_step(tile_rows=n, size="large").block_rows(tile_rows=n)
+            for n in (8, 32, 64, 128)] == [8, 16, 32, 32]
+    assert [d512.for_step(tile_rows=64, size=s) is d512 for s in ("small", "either")] == [True] * 2
+    wide = d512.for_step(tile_rows=128, size="large")
+    assert (wide.row_blocks(tile_rows=128), wide.program_rows(tile_rows=128)) == (4, 32)
+    assert default_config(head_dim=128, num_kv_heads=8).large_step_tile_rows is None
+    with pytest.raises(ValueError, match="size must be 'small', 'large' or 'either', got 'big'"):
+        cfg.for_step(tile_rows=32, size="big")
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=f"KernelConfig.small_step_kv_bytes_per_sm must be an "
                                              f"int >= 0, got {bad!r}"):
             KernelConfig(small_step_kv_bytes_per_sm=bad)
+    with pytest.raises(ValueError, match="KernelConfig.large_step_tile_rows must be a power of "
+                                         "two >= 16, got 24"):
+        KernelConfig(large_step_tile_rows=24)
 
 
 def test_register_cap_by_program_rows():

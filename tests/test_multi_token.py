@@ -98,6 +98,30 @@ def test_small_steps_cut_the_tile_in_half(backend):
         assert plan.config is base
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_steps_widen_head_dim_512_blocks(backend):
+    """Head dim 512 runs tiles of more than 16 rows as M-blocks of 16, and a step known to be
+    large (a CSR page list past the threshold, outside graph mode) those of more than 32 rows
+    in blocks of 32 (16 queries x group 4: 64 rows), correct in every schedule. A block table's
+    rows x width and a window only bound the step, so they keep blocks of 16."""
+    from persistentkv.tuning import default_config
+
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=512, page_size=16)
+    case = make_case(seq_lens=[40, 23], **heads, seed=14)
+    config = dataclasses.replace(default_config(head_dim=512, num_kv_heads=2),
+                                 small_step_kv_bytes_per_sm=1)
+    split = 1 if backend == "split" else None
+    plan = _check(case, [16, 5], backend=backend, split_pages=split, heads=heads, config=config)
+    assert plan.config.block_rows(tile_rows=64) == 32
+    q, qo_indptr = queries(case, [16, 5], 0)
+    for kwargs, extra in ((block_kwargs(case.table), {}),
+                          (csr_kwargs(case.table), dict(window_left=100))):
+        wrapper = DecodeWrapper(case.layout, num_sms=4)
+        plan = wrapper.plan(**kwargs, **heads, **extra, backend=backend, split_pages=split,
+                            qo_indptr=qo_indptr, config=config)
+        assert plan.config is config
+
+
 def test_queries_past_a_short_last_split():
     """Splits of one page (16 tokens) and 16 queries: the early queries see nothing of the last
     split and of part of the one before (their partials are empty and must not count)."""

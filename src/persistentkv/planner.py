@@ -177,7 +177,7 @@ class Planner:
         self._policy_tensors: dict = {}
         self._shipped: dict = {}           # (GPU name, (Hq, Hkv, head_dim)) -> shipped policy
         self._setups: dict = {}            # (options, device, head items) -> _setup(...)
-        self._step_configs: dict = {}      # (options, q_pad, small step) -> _step_config(...)
+        self._step_configs: dict = {}      # (options, q_pad, step size) -> _step_config(...)
         self._bound: dict = {}             # planner launches by options, table form, workspace
         # the last plan: (tensors, shapes, options, plan, planner launch, its leading tensors)
         self._memo: tuple | None = None
@@ -220,7 +220,8 @@ class Planner:
         q_pad = 1 if queries is None else queries.max_per_row
         rows = self.fixed_rows or table.rows
         pages = self.fixed_pages or table.pages
-        config = self._step_config(options, q_pad=q_pad, rows=rows, pages=pages, device=device)
+        config = self._step_config(options, q_pad=q_pad, rows=rows, pages=pages,
+                                   exact=table.csr and self.fixed_pages is None, device=device)
         head_items = _head_items(options, config, q_pad)
         setup = self._setups.get((options, device, head_items))
         if setup is None:
@@ -287,27 +288,30 @@ class Planner:
         return plan
 
     def _step_config(self, options: PlanOptions, *, q_pad: int, rows: int, pages: int,
-                     device: torch.device) -> KernelConfig:
+                     exact: bool, device: torch.device) -> KernelConfig:
         """The kernel configuration of a step of at most `rows` rows and `pages` page entries
-        (graph mode: the buffers' bounds, so that one graph keeps one tile): options.config, or
-        its tile for small steps (KernelConfig.for_step), by the K/V the table can hold (with a
-        window, the window's tokens a row at most) at 16 bits an element."""
-        if not options.tile_by_step or not options.config.small_step_kv_bytes_per_sm:
-            return options.config
+        (graph mode: the buffers' bounds, so that one graph keeps one tile; exact: the step
+        reads every entry, a CSR page list outside graph mode): options.config, or its tile for
+        the step's size (KernelConfig.step_size, for_step), by the K/V the table can hold (with
+        a window, the window's tokens a row at most) at 16 bits an element."""
+        config = options.config
+        if not options.tile_by_step or not config.small_step_kv_bytes_per_sm:
+            return config
         tokens = pages * options.page_size
         if options.window_left >= 0:
             tokens = min(tokens, rows * (options.window_left + q_pad + options.page_size))
+            exact = False
         kv_bytes = tokens * options.num_kv_heads * options.head_dim * 2 * 2
-        sms = self.sms(device)
-        key = (options, q_pad, options.config.small_step(kv_bytes=kv_bytes, sm_count=sms))
-        config = self._step_configs.get(key)   # one object per outcome: the caches key by it
-        if config is None:
+        size = config.step_size(kv_bytes=kv_bytes, exact=exact, sm_count=self.sms(device))
+        key = (options, q_pad, size)
+        step_config = self._step_configs.get(key)   # one object per outcome: the caches key by it
+        if step_config is None:
             if len(self._step_configs) > 64:
                 self._step_configs.clear()
             group = options.num_qo_heads // options.num_kv_heads
-            config = self._step_configs[key] = options.config.for_step(
-                tile_rows=q_pad * group, kv_bytes=kv_bytes, sm_count=sms)
-        return config
+            step_config = self._step_configs[key] = config.for_step(tile_rows=q_pad * group,
+                                                                    size=size)
+        return step_config
 
     def _setup(self, options: PlanOptions, device: torch.device, head_items: int) -> tuple:
         """What plan() needs of a set of options, once: the choice codes the step may take, each

@@ -63,8 +63,11 @@ class KernelConfig:
     16 (none) past head dim 128 (default_config).
     small_step_kv_bytes_per_sm: the tile of a step whose page table holds at most this many
     bytes of K/V per SM (counted at 16 bits an element) runs in M-blocks of half its rows
-    (KernelConfig.for_step; 0: never). More, smaller programs take the latency-bound steps;
-    one tile reads each K/V tile once on the bandwidth-bound ones.
+    (KernelConfig.for_step; 0: never, and no step is large either). More, smaller programs
+    take the latency-bound steps; one tile reads each K/V tile once on the bandwidth-bound ones.
+    large_step_tile_rows: a step known to hold more than that (KernelConfig.for_step) runs
+    tiles of more than this many rows in M-blocks of this many, where this config's blocks are
+    smaller (None: as this config): fewer programs re-read each K/V tile from L2.
     """
 
     block_n: int = 64
@@ -84,23 +87,35 @@ class KernelConfig:
     max_tile_rows: int | None = 64
     min_tile_rows: int = 64
     small_step_kv_bytes_per_sm: int = 0
+    large_step_tile_rows: int | None = None
 
-    def small_step(self, *, kv_bytes: int, sm_count: int) -> bool:
-        """Whether a step whose page table can hold kv_bytes of K/V (at 16 bits an element) is
-        small: at most small_step_kv_bytes_per_sm x sm_count (never when that is 0)."""
-        return (self.small_step_kv_bytes_per_sm > 0
-                and kv_bytes <= self.small_step_kv_bytes_per_sm * sm_count)
+    def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
+        """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
+        (at 16 bits an element; exact: the step holds that much, not just at most): small at
+        most small_step_kv_bytes_per_sm x sm_count, large past it where exact, else either
+        (always either when small_step_kv_bytes_per_sm is 0)."""
+        if self.small_step_kv_bytes_per_sm == 0:
+            return "either"
+        if kv_bytes <= self.small_step_kv_bytes_per_sm * sm_count:
+            return "small"
+        return "large" if exact else "either"
 
-    def for_step(self, *, tile_rows: int, kv_bytes: int, sm_count: int) -> KernelConfig:
-        """The configuration a step runs: this one, or for a small step (small_step), tiles of
-        more than 16 query rows (query tokens x group) cut into M-blocks of half their rows, 16
-        at least, where this one cuts them less."""
-        if tile_rows <= 16 or not self.small_step(kv_bytes=kv_bytes, sm_count=sm_count):
-            return self
-        half = max(16, next_power_of_2(tile_rows) // 2)
-        if self.block_rows(tile_rows=tile_rows) <= half:
-            return self
-        return dataclasses.replace(self, max_tile_rows=half)
+    def for_step(self, *, tile_rows: int, size: str) -> KernelConfig:
+        """The configuration a step of `size` (step_size) runs: this one, or for a small step,
+        tiles of more than 16 query rows (query tokens x group) cut into M-blocks of half their
+        rows (16 at least) where this one cuts them less; for a large one, tiles of more than
+        large_step_tile_rows rows in blocks of that many where this one cuts them more."""
+        if size not in ("small", "large", "either"):
+            raise ValueError(f"size must be 'small', 'large' or 'either', got {size!r}")
+        rows = self.block_rows(tile_rows=tile_rows)
+        if size == "small" and tile_rows > 16:
+            half = max(16, next_power_of_2(tile_rows) // 2)
+            if rows > half:
+                return dataclasses.replace(self, max_tile_rows=half)
+        wide = self.large_step_tile_rows
+        if size == "large" and wide is not None and tile_rows > wide and rows < wide:
+            return dataclasses.replace(self, max_tile_rows=wide)
+        return self
 
     def row_blocks(self, *, tile_rows: int) -> int:
         """Programs (M-blocks) that share a task whose tile has tile_rows query rows (padded to
@@ -176,7 +191,7 @@ class KernelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"KernelConfig.{name} must be an int >= 0, got {value!r}")
         for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows", "min_tile_rows",
-                     "max_registers_rows"):
+                     "max_registers_rows", "large_step_tile_rows"):
             value = getattr(self, name)
             if value is None and name != "block_n":
                 continue
@@ -228,11 +243,14 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     B, aiming at three programs an SM where the persistent grid runs two; 0.3-6% faster at 1, 4
     and 8 queries a row; the 32-row tile of 16 queries lost 1-10% under the cap, so not there).
     From head dim 128, small steps run tiles past 16 rows in M-blocks of half their rows
-    (SMALL_STEP_KV_BYTES_PER_SM, v36)."""
+    (SMALL_STEP_KV_BYTES_PER_SM, v36). Head dim 512's large steps run tiles of more than 32 rows
+    in blocks of 32 (v37, H100, two runs over 13 cells at 4, 8 and 16 queries: 8-24% faster from
+    127 MB at 16 queries, 2-20% on six of eight such cells at 8, 5-9% slower on B1 L32K and B4
+    L8K there; the 32-row tile of 4 queries whole lost 2-34%, so it stays in blocks of 16)."""
     small = SMALL_STEP_KV_BYTES_PER_SM if head_dim >= 128 else 0
     if head_dim > 256:
         return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16,
-                            small_step_kv_bytes_per_sm=small)
+                            small_step_kv_bytes_per_sm=small, large_step_tile_rows=32)
     if head_dim > 128:
         return KernelConfig(block_n=32, min_tile_rows=16, max_registers=224, max_registers_rows=16,
                             small_step_kv_bytes_per_sm=small)

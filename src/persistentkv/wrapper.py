@@ -143,8 +143,9 @@ class DecodeWrapper:
         schedule.py) or "balanced" (every program an equal share of the step's pages, one
         round; schedule.py); sm_scale defaults to 1/sqrt(head_dim); config: the kernel's tile and launch
         shape (default: tuning.default_config; a step whose table can hold little K/V, by
-        kv_indices' length or block_table's rows x width, may run its tile in halves:
-        KernelConfig.for_step, so pass the step's width). deterministic=True makes the output
+        kv_indices' length or block_table's rows x width, may run its tile in halves, and one
+        whose kv_indices hold much, in wider blocks: KernelConfig.for_step, so pass the step's
+        width and kv_indptr[-1] entries). deterministic=True makes the output
         batch-invariant: splits of a fixed size in tokens (split_pages, default
         schedule.DETERMINISTIC_SPLIT_TOKENS), so a row's result is bitwise the same whatever else
         is in the batch. check_page_table=True reads the page table back to check its values
