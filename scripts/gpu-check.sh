@@ -10,7 +10,7 @@
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
-#                                        mblockcross|smallstep|smallsweep|d512cross|
+#                                        mblockcross|smallstep|smallsweep|d512cross|largerows|
 #                                        e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
@@ -75,6 +75,8 @@
 # (llama3-8b at 8 queries, gemma2-9b at 16, qwen2.5-7b at 8);
 # d512cross: head dim 512 at 4, 8 and 16 queries, its blocks of 16 against blocks of 32 over
 # 13 cells of 4 MB to 1 GB of K/V (mblockcross's and the sizes between), once (about 5 minutes);
+# largerows: v37's blocks of 32 on head dim 512's large steps against blocks of 16 over the
+# same cells (FlashInfer's prefill path beside them at 8 queries), once;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -275,6 +277,18 @@ for step in $steps; do
                    --backends pkv-auto,pkv-auto:tilerows32 \
                    --out "$out/d512cross" --tag "d512-q$q" > "$out/d512cross/d512-q$q-log.txt" 2>&1
                  tail -1 "$out/d512cross/d512-q$q-log.txt"
+               done ;;
+    largerows) mkdir -p "$out/largerows"   # v37: head dim 512's large steps in blocks of 32
+               # (pkv-auto) against blocks of 16 (:largerows0, before), d512cross's cells, with
+               # FlashInfer's prefill path at 8 queries
+               for q in 4 8 16; do
+                 b=pkv-auto,pkv-auto:largerows0; [ $q = 8 ] && b=$b,fi-prefill
+                 timeout 200 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 \
+                   --num-kv-heads 2 --head-dim 512 --q-len $q \
+                   --cells "B1 L1K,B1 L8K,B4 L1K,B8 L1K,B4 zipf,B8 zipf,B1 L32K,B4 L8K,B8 L4K,B32 L1K,B4 bimodal,B8 L8K,B32 L8K" \
+                   --backends $b --out "$out/largerows" --tag "d512-q$q" \
+                   > "$out/largerows/d512-q$q-log.txt" 2>&1
+                 tail -1 "$out/largerows/d512-q$q-log.txt"
                done ;;
     smallstep) mkdir -p "$out/smallstep"   # v36: small steps' tiles in half-size M-blocks
                # (pkv-auto) against the whole tile (:smallstep0): the 8-query grid at 32/8/128
