@@ -106,10 +106,15 @@ def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_na
     if not lens or min(lens) < 1:
         raise ValueError(f"seq_lens must be one or more positive lengths, got {seq_lens!r}")
     page = shape.page_size
-    width = max(-(-n // page) for n in lens)
-    # pages scattered over a pool of just the step's pages (their values do not change the plan)
-    order = np.random.default_rng(0).permutation(len(lens) * width)
-    block_table = torch.from_numpy(order.reshape(len(lens), width).astype(np.int32)).to(device)
+    pages = np.array([-(-n // page) for n in lens])
+    # a CSR page list, as the benchmark plans (FlashInfer's form: its length is the step's pages,
+    # which KernelConfig.step_size reads), its pages scattered over a pool of just the step's
+    # pages (their values do not change the plan)
+    kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32))
+    kv_indices = torch.from_numpy(np.random.default_rng(0).permutation(int(pages.sum()))
+                                  .astype(np.int32)).to(device)
+    kv_last_page_len = torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)],
+                                    dtype=torch.int32)
     heads = (shape.num_qo_heads, shape.num_kv_heads, shape.head_dim)
     policy = load_policy(gpu_name, shape=heads, kv_fp8=shape.kv_fp8 is not None)
     wrapper = DecodeWrapper(shape.layout, device=device, policy=policy, num_sms=num_sms)
@@ -118,9 +123,8 @@ def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_na
         qo_indptr = torch.arange(0, (len(lens) + 1) * q_len, q_len, dtype=torch.int32)
     kv_dtype = torch.float8_e4m3fn if shape.kv_fp8 else shape.dtype
     config = config or default_config(head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads)
-    plan = wrapper.plan(block_table=block_table,
-                        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-                        num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+    plan = wrapper.plan(kv_indptr=kv_indptr, kv_indices=kv_indices,
+                        kv_last_page_len=kv_last_page_len, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
                         head_dim=shape.head_dim, page_size=page, backend=backend,
                         split_pages=split_pages, config=config, qo_indptr=qo_indptr,
                         kv_data_type=kv_dtype)
