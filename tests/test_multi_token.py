@@ -103,7 +103,8 @@ def test_large_steps_widen_head_dim_512_blocks(backend):
     """Head dim 512 runs tiles of more than 16 rows as M-blocks of 16, and a step known to be
     large (a CSR page list past the threshold, outside graph mode) those of more than 32 rows
     in blocks of 32 (16 queries x group 4: 64 rows), correct in every schedule. A block table's
-    rows x width and a window only bound the step, so they keep blocks of 16."""
+    rows x width, a window and graph mode's buffers only bound the step, so they keep blocks of
+    16."""
     from persistentkv.tuning import default_config
 
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=512, page_size=16)
@@ -114,11 +115,16 @@ def test_large_steps_widen_head_dim_512_blocks(backend):
     plan = _check(case, [16, 5], backend=backend, split_pages=split, heads=heads, config=config)
     assert plan.config.block_rows(tile_rows=64) == 32
     q, qo_indptr = queries(case, [16, 5], 0)
-    for kwargs, extra in ((block_kwargs(case.table), {}),
-                          (csr_kwargs(case.table), dict(window_left=100))):
-        wrapper = DecodeWrapper(case.layout, num_sms=4)
+    csr = csr_kwargs(case.table)
+    graph = dict(use_cuda_graph=True, max_batch_size=2, max_queries_per_row=16,
+                 max_num_pages=csr["kv_indices"].numel())
+    for kwargs, extra, mode in ((block_kwargs(case.table), {}, {}),
+                                (csr, dict(window_left=100), {}),
+                                (csr, {}, graph)):
+        wrapper = DecodeWrapper(case.layout, num_sms=4, **mode)
         plan = wrapper.plan(**kwargs, **heads, **extra, backend=backend, split_pages=split,
-                            qo_indptr=qo_indptr, config=config)
+                            qo_indptr=qo_indptr.to(DEVICE) if mode else qo_indptr,
+                            config=config)
         assert plan.config is config
 
 

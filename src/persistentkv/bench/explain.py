@@ -124,7 +124,8 @@ def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_na
     kv_dtype = torch.float8_e4m3fn if shape.kv_fp8 else shape.dtype
     config = config or default_config(head_dim=shape.head_dim, num_kv_heads=shape.num_kv_heads)
     plan = wrapper.plan(kv_indptr=kv_indptr, kv_indices=kv_indices,
-                        kv_last_page_len=kv_last_page_len, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+                        kv_last_page_len=kv_last_page_len, num_qo_heads=shape.num_qo_heads,
+                        num_kv_heads=shape.num_kv_heads,
                         head_dim=shape.head_dim, page_size=page, backend=backend,
                         split_pages=split_pages, config=config, qo_indptr=qo_indptr,
                         kv_data_type=kv_dtype)
