@@ -333,3 +333,40 @@ def test_deterministic_queries_are_batch_invariant(config):
                      split_pages=4, qo_indptr=torch.tensor([0, counts[row]], dtype=torch.int32),
                      config=config)
         assert torch.equal(wrapper.run(q[first:last], case.kv_cache), full[first:last]), row
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_blocks_every_schedule(backend):
+    """Programs of 64 rows or more share a task's output columns (value blocks): 16 queries x
+    group 8 (128 rows: two M-blocks of 64, each in two value blocks of 16 of the 32 columns),
+    then 8 queries (one 64-row block), with a sink logit and soft-cap on the second; rows of
+    1-7 queries beside them, in every schedule against the float64 reference."""
+    heads = dict(num_qo_heads=16, num_kv_heads=2, head_dim=32, page_size=16)
+    config = KernelConfig(block_n=32, value_blocks=2)
+    assert config.head_items(tile_rows=128) == 4 and config.head_items(tile_rows=16) == 1
+    case = make_case(seq_lens=[70, 9, 130, 33], **heads, seed=21)
+    _check(case, [16, 1, 7, 4], backend=backend, heads=heads,
+           split_pages=2 if backend == "split" else None, config=config)
+    q, qo_indptr = queries(case, [8, 3, 1, 5], 22)
+    sinks = torch.randn(16, dtype=torch.float32, device=DEVICE)
+    wrapper = DecodeWrapper(case.layout)
+    wrapper.plan(**csr_kwargs(case.table), **heads, backend=backend, qo_indptr=qo_indptr,
+                 split_pages=1 if backend == "split" else None, logits_soft_cap=5.0,
+                 config=config)
+    out = torch.full_like(q, float("nan"))
+    lse = wrapper.run(q, case.kv_cache, out=out, return_lse=True, sinks=sinks)[1]
+    ref, ref_lse = reference_decode(q, case.kv_cache, layout=case.layout, qo_indptr=qo_indptr,
+                                    logits_soft_cap=5.0, sinks=sinks, **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[q.dtype]
+    assert relative_error(lse, ref_lse) <= 1e-4
+
+
+def test_value_blocks_must_cut_head_dim_into_blocks_of_16():
+    case = make_case(seq_lens=[40], num_qo_heads=8, num_kv_heads=2, head_dim=32, page_size=16,
+                     seed=23)
+    wrapper = DecodeWrapper(case.layout)
+    with pytest.raises(ValueError, match="value_blocks=4 must cut head_dim 32"):
+        wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=32,
+                     page_size=16, config=KernelConfig(value_blocks=4))
+    with pytest.raises(ValueError, match="value_blocks must be a power of two"):
+        KernelConfig(value_blocks=3)

@@ -30,7 +30,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                  logits_soft_cap: float, pdl: bool = False,
                  v_transposed: bool = False, max_registers: int | None = None,
                  long_block_n: int = 0, long_from_tokens: int = 0,
-                 m_blocks: int = 1, g_pad: int = 0) -> torch.Tensor:
+                 m_blocks: int = 1, g_pad: int = 0, d_blocks: int = 1) -> torch.Tensor:
     """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
     max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
     sinks None: off; an fp8 k, v: scaled by k_scale and v_scale, or per token by kv_scales;
@@ -38,7 +38,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     V's blocks in the HND_VT layout; max_registers: Triton's maxnreg, None for the compiler's
     choice; long_block_n, long_from_tokens: the tile of long tasks, 0 for none; m_blocks:
     programs that share a task's tile rows; g_pad: rows of a program's tile, 0 for the
-    tile's own).
+    tile's own; d_blocks: programs that share a task's output columns).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
     """
@@ -60,7 +60,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                             token_scales=kv_scales is not None, pdl=pdl,
                             v_transposed=v_transposed, long_block_n=long_block_n,
                             long_from_tokens=long_from_tokens, m_blocks=m_blocks,
-                            g_pad=g_pad or None),
+                            g_pad=g_pad or None, d_blocks=d_blocks),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": max_registers} if max_registers is not None and not interpreting() else {}))
     return out
@@ -72,7 +72,7 @@ def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, kv_scales, k_scale, v
                        row_lens, cache_strides, sm_scale, num_kv_heads, page_size, programs,
                        block_n, num_warps, num_stages, max_queries, window_left, logits_soft_cap,
                        pdl=False, v_transposed=False, max_registers=None, long_block_n=0,
-                       long_from_tokens=0, m_blocks=1, g_pad=0):
+                       long_from_tokens=0, m_blocks=1, g_pad=0, d_blocks=1):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -131,4 +131,5 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                         plan.window_left,
                         plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT",
                         cfg.registers(tile_rows=tile_rows), tile["long_block_n"],
-                        tile["long_from_tokens"], tile["m_blocks"], tile["g_pad"])
+                        tile["long_from_tokens"], tile["m_blocks"], tile["g_pad"],
+                        tile["d_blocks"])

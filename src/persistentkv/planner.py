@@ -397,10 +397,11 @@ class Planner:
 
 
 def _head_items(options: PlanOptions, config: KernelConfig, q_pad: int) -> int:
-    """Programs that one task takes: a program per KV head, or per M-block of each where the
-    step's config cuts a tile of q_pad query tokens x group rows (KernelConfig.row_blocks)."""
+    """Programs that one task takes: a program per KV head, or per M-block and value block of
+    each where the step's config cuts a tile of q_pad query tokens x group rows
+    (KernelConfig.head_items)."""
     group = options.num_qo_heads // options.num_kv_heads
-    return options.num_kv_heads * config.row_blocks(tile_rows=q_pad * group)
+    return options.num_kv_heads * config.head_items(tile_rows=q_pad * group)
 
 
 def _row_pages(max_row_pages: int | None, longest: int | None, page_size: int) -> int | None:

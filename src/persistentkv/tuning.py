@@ -68,6 +68,10 @@ class KernelConfig:
     large_step_tile_rows: a step known to hold more than that (KernelConfig.for_step) runs
     tiles of more than this many rows in M-blocks of this many, where this config's blocks are
     smaller (None: as this config): fewer programs re-read each K/V tile from L2.
+    value_blocks: programs that share a task's output columns (head_dim / value_blocks each,
+    at least 16; head_dim a power of two) where a program's tile has 64 rows or more (the
+    warp-group MMA's): each reads all of K for the scores and its share of V, and holds its
+    share of the accumulator.
     """
 
     block_n: int = 64
@@ -88,6 +92,7 @@ class KernelConfig:
     min_tile_rows: int = 64
     small_step_kv_bytes_per_sm: int = 0
     large_step_tile_rows: int | None = None
+    value_blocks: int = 1
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -139,6 +144,15 @@ class KernelConfig:
             return rows
         return max(rows, min(self.min_tile_rows, self.max_tile_rows or self.min_tile_rows))
 
+    def column_blocks(self, *, tile_rows: int) -> int:
+        """Programs that share a task's output columns: value_blocks where a program's tile
+        has 64 rows or more, else 1."""
+        return self.value_blocks if self.program_rows(tile_rows=tile_rows) >= 64 else 1
+
+    def head_items(self, *, tile_rows: int) -> int:
+        """Programs that one task takes per KV head: its M-blocks x its value blocks."""
+        return self.row_blocks(tile_rows=tile_rows) * self.column_blocks(tile_rows=tile_rows)
+
     def registers(self, *, tile_rows: int) -> int | None:
         """Triton's maxnreg for tasks of tile_rows query rows (query tokens x group): max_registers
         where a program's tile has at most max_registers_rows rows, else None (the compiler's)."""
@@ -151,14 +165,15 @@ class KernelConfig:
         """decode_constexprs' tile arguments for tasks of tile_rows query rows (query tokens x
         group) over a cache of this kind: block_n, long_block_n, long_from_tokens (0 without a
         long tile), m_blocks and g_pad (the K/V tiles are a program's block's, the rows the whole
-        tile's)."""
+        tile's), d_blocks (column_blocks)."""
         block = self.block_rows(tile_rows=tile_rows)
         long_block_n = self.long_tile_tokens(kv_fp8=kv_fp8, tile_rows=block)
         return dict(block_n=self.tile_tokens(kv_fp8=kv_fp8, tile_rows=block),
                     long_block_n=long_block_n,
                     long_from_tokens=self.long_from_tokens if long_block_n else 0,
                     m_blocks=self.row_blocks(tile_rows=tile_rows),
-                    g_pad=self.program_rows(tile_rows=tile_rows))
+                    g_pad=self.program_rows(tile_rows=tile_rows),
+                    d_blocks=self.column_blocks(tile_rows=tile_rows))
 
     def tile_tokens(self, *, kv_fp8: bool, tile_rows: int = 1) -> int:
         """Tokens per K/V tile for a cache of this kind and tiles of tile_rows query rows (query
@@ -182,7 +197,7 @@ class KernelConfig:
 
     def __post_init__(self):
         for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm",
-                     "long_from_tokens"):
+                     "long_from_tokens", "value_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
@@ -197,6 +212,9 @@ class KernelConfig:
                 continue
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
+        if self.value_blocks & (self.value_blocks - 1):
+            raise ValueError(f"KernelConfig.value_blocks must be a power of two, got "
+                             f"{self.value_blocks!r}")
         if self.long_block_n is not None and self.long_block_n <= self.block_n:
             raise ValueError(f"KernelConfig.long_block_n must be None or above block_n "
                              f"({self.block_n}), got {self.long_block_n!r}")

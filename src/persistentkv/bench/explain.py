@@ -44,6 +44,7 @@ class StepPlanReport:
     tile_rows: int                # query tokens a row x group, padded to G_PAD >= 16 for tl.dot
     m_blocks: int                 # programs that share a task's rows, G_PAD rows each
     g_pad: int
+    d_blocks: int                 # programs that share a task's output columns
     block_n: int                  # tokens per K/V tile; long_block_n for tasks of long_from tokens
     long_block_n: int
     long_from_tokens: int
@@ -65,7 +66,8 @@ class StepPlanReport:
                 f"tokens a task: min {lo}, median {mid}, max {hi}",
                 f"tile: {self.tile_rows} query rows ("
                 f"{f'{self.m_blocks} M-blocks of ' if self.m_blocks > 1 else ''}G_PAD "
-                f"{self.g_pad}), {tile}, "
+                f"{self.g_pad}"
+                f"{f', {self.d_blocks} value blocks' if self.d_blocks > 1 else ''}), {tile}, "
                 f"{self.num_warps} warps, {self.num_stages} stages"
                 f"{f', at most {self.max_registers} registers' if self.max_registers else ''}"]
 
@@ -149,7 +151,7 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
     rows = next_power_of_2(q_len) * (shape.num_qo_heads // shape.num_kv_heads)
     fp8 = shape.kv_fp8 is not None
     tile = config.tile_shape(tile_rows=rows, kv_fp8=fp8)
-    items = (chunks or info["num_tasks"]) * shape.num_kv_heads * tile["m_blocks"]
+    items = (chunks or info["num_tasks"]) * shape.num_kv_heads * tile["m_blocks"] * tile["d_blocks"]
     features = StepFeatures.of(lens, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                                elem_size=1 if fp8 else 2)
     return StepPlanReport(
@@ -159,7 +161,8 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         merge_chain=merge_chain(int(splits.max())),
         task_tokens=(int(tokens.min()), int(np.median(tokens)), int(tokens.max())),
         items=items, programs=plan.programs, rounds=1.0 if chunks else items / plan.programs,
-        tile_rows=rows, m_blocks=tile["m_blocks"], g_pad=tile["g_pad"], block_n=tile["block_n"],
+        tile_rows=rows, m_blocks=tile["m_blocks"], g_pad=tile["g_pad"], d_blocks=tile["d_blocks"],
+        block_n=tile["block_n"],
         long_block_n=tile["long_block_n"], long_from_tokens=tile["long_from_tokens"],
         num_warps=config.num_warps, num_stages=config.num_stages,
         max_registers=config.registers(tile_rows=rows))

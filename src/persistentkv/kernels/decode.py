@@ -49,12 +49,13 @@ def _whole_pages(start, offs_n, tok_hi, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
-                  lower, stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap,
-                  G_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  lower, stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
+                  soft_cap, G_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                   SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
                   TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr, V_T: tl.constexpr):
-    """Unnormalized state (acc [G_PAD, D_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi).
+    """Unnormalized state (acc [G_PAD, DV_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi):
+    the scores from all of q and K (offs_d), the output's columns offs_dv of V (DV_PAD of them).
 
     V_T: each (page, head) block of V holds V transposed (the HND_VT layout: V[s, d] at
     d * PAGE_SIZE + s), read with a page's tokens contiguous. It relies on tok_lo being a whole
@@ -68,7 +69,7 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     SOFT_CAP: scores s = soft_cap * tanh(s / soft_cap) (s = sm_scale * q.k). A hidden score is
     -1e30, not -inf, so that a tile hiding a whole row stays finite; a row that sees none of
     [tok_lo, tok_hi) holds garbage, which the caller drops (its lse is set to -inf)."""
-    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
@@ -107,10 +108,11 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         if V_T:   # whole pages: the slots of a row's last page past its length are read too
             v_rows = _whole_pages(start, offs_n, tok_hi, PAGE_SIZE)[1]                 # (finite:
-            v = tl.load(v_base + v_offs[:, None] + offs_d[None, :] * PAGE_SIZE,     # the layout's
-                        mask=v_rows[:, None] & d_mask[None, :], other=0.0)          # contract)
+            v = tl.load(v_base + v_offs[:, None] + offs_dv[None, :] * PAGE_SIZE,    # the layout's
+                        mask=v_rows[:, None] & dv_mask[None, :], other=0.0)         # contract)
         else:
-            v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs[:, None] + offs_dv[None, :],
+                        mask=valid[:, None] & dv_mask[None, :], other=0.0)
         v_sc = 1.0
         if TOKEN_SCALES:
             k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)                     # [N]
@@ -163,28 +165,32 @@ def _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start, 
                  RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
                  SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
                  TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr, BLOCK_N_LONG: tl.constexpr,
-                 LONG_FROM: tl.constexpr, M_BLOCKS: tl.constexpr):
-    """One (row, KV head, split) task, M-block head_item % M_BLOCKS of KV head
-    head_item // M_BLOCKS; the last split of a row to finish merges the row's block.
+                 LONG_FROM: tl.constexpr, M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr):
+    """One (row, KV head, split) task for head item head_item (_item_blocks: a KV head, the
+    M-block of its tile rows and the value block of its output columns); the last split of a
+    row to finish merges the row's block.
 
     Tile row m (of M-block b: m = b * G_PAD + i) is query token m // GROUP of the row (its
     qo_indptr range; 1 without Q_PAD > 1) and query head kv_head * GROUP + m % GROUP. Positions
     are the planner's: from the first page it kept of the row (a window drops the pages before
     it), row_lens[row] of them."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
-    kv_head, m_block = head_item // M_BLOCKS, head_item % M_BLOCKS
+    DV_PAD: tl.constexpr = D_PAD // D_BLOCKS
+    kv_head, m_block, d_block = _item_blocks(head_item, M_BLOCKS, D_BLOCKS)
     offs_m = m_block * G_PAD + tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
+    offs_dv = d_block * DV_PAD + tl.arange(0, DV_PAD)       # this program's output columns
     q_start, n_q, limit = _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP, Q_PAD,
                                        WINDOW)
     lower = limit - window_left   # WINDOW: the first position each tile row sees
     g_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
     d_mask = offs_d < HEAD_DIM
-    mask = g_mask[:, None] & d_mask[None, :]
+    dv_mask = offs_dv < HEAD_DIM
+    mask = g_mask[:, None] & dv_mask[None, :]
     heads = kv_head * GROUP + offs_m % GROUP                                           # [G_PAD]
     q_rows = q_start + offs_m // GROUP                                                 # [G_PAD]
     q = tl.load(q_ptr + q_rows.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=mask, other=0.0)                                # [G_PAD, D]
+                + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D]
     if UPCAST:
         q = q.to(tl.float32)
     head_off = kv_head * stride_head  # < H * S * D: int32 is enough
@@ -198,20 +204,20 @@ def _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start, 
         if tok_hi - tok_lo >= LONG_FROM:
             acc, m_i, l_i = _attend_range(
                 q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
-                stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap, G_PAD, D_PAD,
-                PAGE_SIZE, BLOCK_N_LONG, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
+                stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
+                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N_LONG, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
                 SCALE_KV, V_T)
         else:
             acc, m_i, l_i = _attend_range(
                 q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
-                stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap, G_PAD, D_PAD,
-                PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
+                stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
+                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
                 SCALE_KV, V_T)
     else:
         acc, m_i, l_i = _attend_range(
             q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
-            stride_page, stride_tok, offs_d, d_mask, scale_log2, soft_cap, G_PAD, D_PAD,
-            PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
+            stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
+            G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
             SCALE_KV, V_T)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -227,14 +233,23 @@ def _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start, 
     if SINKS:                               # the row's first split counts each head's sink once
         o, lse2 = _add_sink(o, lse2, sinks_ptr, heads, g_mask & (split == 0))
     if slot_start < 0:                      # the row is one task: write the output directly
-        _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_d, mask,
-                     g_mask, NUM_QO_HEADS, RETURN_LSE)
+        _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_dv,
+                     mask, g_mask, NUM_QO_HEADS, RETURN_LSE)
     else:                                   # write the partial; the task completing them merges
         _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q,
-                     num_q_rows, offs_m // GROUP * NUM_QO_HEADS + heads, offs_d, mask, g_mask,
-                     d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, stride_ob,
-                     stride_oh, NUM_KV_HEADS, GROUP, Q_PAD, HEAD_DIM, D_PAD, G_MERGE, RETURN_LSE,
-                     M_BLOCKS)
+                     num_q_rows, offs_m // GROUP * NUM_QO_HEADS + heads, offs_dv, mask, g_mask,
+                     dv_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, stride_ob,
+                     stride_oh, NUM_KV_HEADS, GROUP, Q_PAD, HEAD_DIM, DV_PAD, G_MERGE, RETURN_LSE,
+                     M_BLOCKS, D_BLOCKS)
+
+
+@triton.jit
+def _item_blocks(head_item, M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr):
+    """Head item -> (KV head, M-block, value block): a KV head's M_BLOCKS x D_BLOCKS items are
+    consecutive, value blocks innermost, so that the programs reading one K/V tile run side by
+    side and meet in L2."""
+    blocks = head_item % (M_BLOCKS * D_BLOCKS)
+    return head_item // (M_BLOCKS * D_BLOCKS), blocks // D_BLOCKS, blocks % D_BLOCKS
 
 
 @triton.jit
@@ -312,27 +327,28 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
                  counters_ptr, stride_ob, stride_oh, NUM_KV_HEADS: tl.constexpr,
                  GROUP: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                  D_PAD: tl.constexpr, G_MERGE: tl.constexpr, RETURN_LSE: tl.constexpr,
-                 M_BLOCKS: tl.constexpr):
+                 M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr):
     """Write split `split`'s partial to slot slot_start + split; the task that completes a row's
     partials merges them. A row of more than ONE_LEVEL_SPLITS splits S merges in two levels of
     about sqrt(S) partials each, not one of S (one program's merge is a chain of memory round
     trips): each group of ceil(sqrt(S)) splits is merged by the task completing it into the
     group's first slot, and the task completing the groups merges those. Counters (int32
-    [slots, NUM_KV_HEADS x M_BLOCKS], by slot and head item): a group's at its first slot, the
+    [slots, HEAD_ITEMS], by slot and head item): a group's at its first slot, the
     row's at the row's first slot, or its second one when it merges in two levels. A slot holds
     Q_PAD x Hq rows (query token j, head h at j * Hq + h); the merge tile has G_MERGE rows, the
-    M-block's share of Q_PAD x GROUP (each M-block merges its own rows).
+    M-block's share of Q_PAD x GROUP (each M-block merges its own rows), and the value block's
+    columns offs_d (D_PAD of them: each value block merges its own; their lse are equal).
     Partial outputs are kept in the output's dtype (fp16/bf16: half the bytes the merge reads;
     in the first half of the fp32 workspace; v26 measured 5-13% off the small multi-token steps)
     and merged in fp32; their lse in fp32."""
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     SLOT_ROWS: tl.constexpr = Q_PAD * NUM_QO_HEADS
-    HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS
-    kv_head = head_item // M_BLOCKS
+    HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS * D_BLOCKS
+    kv_head, m_block, _ = _item_blocks(head_item, M_BLOCKS, D_BLOCKS)
     part_o_ptr = part_o_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty))
     _store_partial(o, lse2, slot_start + split, part_rows, offs_d, mask, g_mask, part_o_ptr,
                    part_lse_ptr, SLOT_ROWS, HEAD_DIM)
-    offs_m = head_item % M_BLOCKS * G_MERGE + tl.arange(0, G_MERGE)
+    offs_m = m_block * G_MERGE + tl.arange(0, G_MERGE)
     m_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
     merge_mask = m_mask[:, None] & d_mask[None, :]
     merge_heads = kv_head * GROUP + offs_m % GROUP
@@ -348,8 +364,8 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
         ready = _arrive(counters_ptr + (slot_start + first) * HEAD_ITEMS + head_item, members)
         if ready:
             o_g, lse_g = merge_partials(part_o_ptr, part_lse_ptr, (slot_start + first).to(tl.int64),
-                                        members, 1, merge_rows, m_mask, SLOT_ROWS, G_MERGE,
-                                        HEAD_DIM, D_PAD)
+                                        members, 1, merge_rows, m_mask, offs_d, d_mask,
+                                        SLOT_ROWS, G_MERGE, HEAD_DIM, D_PAD)
             # the group's result overwrites its first partial: every thread's loads of it first
             # (a value is held by several threads where the tile has fewer elements than threads)
             tl.debug_barrier()
@@ -361,8 +377,8 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
     if ready:
         if _arrive(counters_ptr + row_counter * HEAD_ITEMS + head_item, count):
             o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
-                                            count, stride, merge_rows, m_mask, SLOT_ROWS,
-                                            G_MERGE, HEAD_DIM, D_PAD)
+                                            count, stride, merge_rows, m_mask, offs_d, d_mask,
+                                            SLOT_ROWS, G_MERGE, HEAD_DIM, D_PAD)
             _store_final(o_row, lse_row, q_start + offs_m // GROUP, merge_heads, out_ptr,
                          lse_ptr, stride_ob, stride_oh, offs_d, merge_mask, m_mask, NUM_QO_HEADS,
                          RETURN_LSE)
@@ -393,7 +409,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
                         TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
                         BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr,
-                        M_BLOCKS: tl.constexpr):
+                        M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -403,8 +419,10 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     tasks: int32 [capacity, 8] records from the planner (kernels/plan.py); info: int32 [8] with
     the task count at 0, the claim counter at 3 and a balanced plan's chunk count at 5. Items
     are (task, head item) pairs, item = task * HEAD_ITEMS + head_item, HEAD_ITEMS = NUM_KV_HEADS x
-    M_BLOCKS: head item i is M-block i % M_BLOCKS (G_PAD of the tile's rows) of KV head
-    i // M_BLOCKS, so a KV head's blocks run side by side and its K/V tiles meet in L2. Grid:
+    M_BLOCKS x D_BLOCKS: a head item is a KV head's M-block (G_PAD of the tile's rows) and value
+    block (head_dim / D_BLOCKS of the output's columns; each computes the scores from all of q
+    and K), a KV head's items consecutive (_item_blocks), so that they run side by side and its
+    K/V tiles meet in L2. Grid:
     (programs,), persistent: program p runs item p, that is record p // HEAD_ITEMS for head item
     p % HEAD_ITEMS, then, in a balanced plan, the records its `next` fields link (the rest of
     that chunk). A split or grouped step with more items than programs is claimed instead: each
@@ -419,7 +437,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
-    HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS
+    HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS * D_BLOCKS
     programs = tl.num_programs(0)
     item = tl.program_id(0)
     head_item = item % HEAD_ITEMS
@@ -442,7 +460,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
                          SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
-                         LONG_FROM, M_BLOCKS)
+                         LONG_FROM, M_BLOCKS, D_BLOCKS)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
                 row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
                     tasks_ptr, nxt, True)
@@ -455,7 +473,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                              num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
                              G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
                              UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T,
-                             BLOCK_N_LONG, LONG_FROM, M_BLOCKS)
+                             BLOCK_N_LONG, LONG_FROM, M_BLOCKS, D_BLOCKS)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
@@ -468,7 +486,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                          window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
                          D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
                          SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
-                         LONG_FROM, M_BLOCKS)
+                         LONG_FROM, M_BLOCKS, D_BLOCKS)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
@@ -482,7 +500,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       token_scales: bool = False, pdl: bool = False,
                       v_transposed: bool = False, long_block_n: int = 0,
                       long_from_tokens: int = 0, m_blocks: int = 1,
-                      g_pad: int | None = None) -> dict:
+                      g_pad: int | None = None, d_blocks: int = 1) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -492,11 +510,16 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     V blocks; long_block_n: the tile of the tasks of at least long_from_tokens tokens (0: block_n
     for every task; KernelConfig.long_tile_tokens); m_blocks: programs that share a task's
     tile rows (KernelConfig.row_blocks); g_pad: rows of one program's tile (None: the tile's
-    rows over m_blocks, at least 16; KernelConfig.program_rows pads them)."""
+    rows over m_blocks, at least 16; KernelConfig.program_rows pads them); d_blocks: programs
+    that share a task's output columns, head_dim / d_blocks each (KernelConfig.value_blocks)."""
     rows = next_power_of_2(max_queries * group)
     if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
         raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
                          f"got {m_blocks}")
+    if d_blocks != 1 and (d_blocks < 1 or next_power_of_2(head_dim) != head_dim
+                          or head_dim % d_blocks or head_dim // d_blocks < 16):
+        raise ValueError(f"d_blocks must cut head_dim {head_dim} (a power of two) into blocks "
+                         f"of at least 16 columns, got {d_blocks}")
     block = max(16, rows) // m_blocks
     if g_pad is None:
         g_pad = block
@@ -509,4 +532,5 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 G_MERGE=rows // m_blocks, RETURN_LSE=return_lse, UPCAST=upcast,
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
                 TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed, BLOCK_N_LONG=long_block_n,
-                LONG_FROM=long_from_tokens if long_block_n else 0, M_BLOCKS=m_blocks)
+                LONG_FROM=long_from_tokens if long_block_n else 0, M_BLOCKS=m_blocks,
+                D_BLOCKS=d_blocks)

@@ -15,10 +15,10 @@ MERGE_IN_FLIGHT_BYTES = tl.constexpr(32768)
 
 @triton.jit
 def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, rows, row_mask,
-                   SLOT_ROWS: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   D_PAD: tl.constexpr):
+                   cols, col_mask, SLOT_ROWS: tl.constexpr, G_MERGE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """Exact merge of the partials in slots first_slot + i * slot_stride, i < count, for the slot
-    rows `rows` [G_MERGE] (row_mask: which are real).
+    rows `rows` [G_MERGE] (row_mask: which are real) and columns `cols` [D_PAD] (col_mask).
 
     Partials: o [slots, SLOT_ROWS, HEAD_DIM] (normalized; in the output's dtype, part_o_ptr's
     element type), lse2 fp32 [slots, SLOT_ROWS] (base 2). One partial per step, the tile padded
@@ -28,8 +28,7 @@ def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, row
     (.cg): other programs wrote these partials during this launch.
     Returns (o [G_MERGE, D_PAD], lse2 [G_MERGE]); rows not in row_mask are padding.
     """
-    offs_d = tl.arange(0, D_PAD)
-    hd_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    hd_mask = row_mask[:, None] & col_mask[None, :]
     acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
     m = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
     total = tl.zeros([G_MERGE], dtype=tl.float32)
@@ -41,7 +40,7 @@ def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, row
         slot = first_slot + i * slot_stride
         lse = tl.load(part_lse_ptr + slot * SLOT_ROWS + rows, mask=row_mask, other=float("-inf"),
                       cache_modifier=".cg")                                           # [G]
-        o = tl.load(part_o_ptr + (slot * SLOT_ROWS + rows[:, None]) * HEAD_DIM + offs_d[None, :],
+        o = tl.load(part_o_ptr + (slot * SLOT_ROWS + rows[:, None]) * HEAD_DIM + cols[None, :],
                     mask=hd_mask, other=0.0, cache_modifier=".cg").to(tl.float32)    # [G, D]
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # padding heads stay at -inf
