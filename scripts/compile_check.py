@@ -54,7 +54,8 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     src = ASTSource(paged_decode_kernel, signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    options = {"num_warps": cfg.num_warps,
+               "num_stages": cfg.stages(tile_rows=max_queries * group)}
     if "pdl" in variants:   # as launch.py launches it: the option lands in the kernel's metadata
         options["launch_pdl"] = True
     max_registers = cfg.registers(tile_rows=max_queries * group)

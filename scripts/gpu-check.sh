@@ -77,9 +77,8 @@
 # 13 cells of 4 MB to 1 GB of K/V (mblockcross's and the sizes between), once (about 5 minutes);
 # largerows: v37's blocks of 32 on head dim 512's large steps against blocks of 16 over the
 # same cells (FlashInfer's prefill path beside them at 8 queries), once;
-# valueblocks: head dim 512's large 8- and 16-query steps in 64-row programs that share a
-# task's output columns (value blocks of 256 or 128) against the default, with FlashInfer's
-# prefill path, once;
+# valueblocks: head dim 512's large 8- and 16-query steps in 64-row programs two to a task's
+# output columns (v38's default) against v37's blocks of 32, with FlashInfer's prefill path, once;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -294,14 +293,14 @@ for step in $steps; do
                  tail -1 "$out/largerows/d512-q$q-log.txt"
                done ;;
     valueblocks) mkdir -p "$out/valueblocks"   # v38: head dim 512's large 8- and 16-query
-               # steps in 64-row programs that share a task's output columns (value blocks of
-               # 256 or 128 columns, two stages at two programs an SM or three at one) against
-               # the default's M-blocks of 32, with FlashInfer's prefill path
+               # steps in 64-row programs two to a task's output columns at two stages (the
+               # default) against v37's M-blocks of 32 (:largerows32:valueblocks1), with
+               # FlashInfer's prefill path
                for q in 8 16; do
                  timeout 280 python3 -m persistentkv.cli bench --grid --num-qo-heads 16 \
                    --num-kv-heads 2 --head-dim 512 --q-len $q \
                    --cells "B1 L32K,B4 L8K,B8 L4K,B8 L8K,B32 L1K,B32 L8K,B4 bimodal,B8 zipf" \
-                   --backends pkv-auto,pkv-auto:tilerows64:valueblocks2:stages2,pkv-auto:tilerows64:valueblocks4:stages2,pkv-auto:tilerows64:valueblocks2:pps1,pkv-auto:tilerows64:valueblocks4:pps1,fi-prefill \
+                   --backends pkv-auto,pkv-auto:largerows32:valueblocks1,fi-prefill \
                    --out "$out/valueblocks" --tag "d512-q$q" \
                    > "$out/valueblocks/d512-q$q-log.txt" 2>&1
                  tail -1 "$out/valueblocks/d512-q$q-log.txt"

@@ -203,13 +203,15 @@ def test_explain_counts_m_blocks(capsys):
 
 
 def test_explain_plans_the_step_size_from_its_page_list(capsys):
-    """explain plans from a CSR page list, as the benchmark does, so a large step's M-blocks are
+    """explain plans from a CSR page list, as the benchmark does, so a large step's programs are
     the ones it runs: head dim 512 at 8 queries a row (64 rows) in blocks of 16 on B1 L1K (4
-    MB of K/V) and of 32 on B32 L8K (1 GB; 2 of 32 with ':largerows0' off: 4 of 16)."""
+    MB of K/V), and on B32 L8K (1 GB) in one 64-row program a value block, two value blocks
+    (':largerows0' off: 4 blocks of 16)."""
     d512 = ["--num-qo-heads", "16", "--num-kv-heads", "2", "--head-dim", "512", "--q-len", "8",
             "--num-sms", "132"]
-    for cell, backend, blocks in (("B1 L1K", "pkv-auto", 4), ("B32 L8K", "pkv-auto", 2),
-                                  ("B32 L8K", "pkv-auto:largerows0", 4)):
+    for cell, backend, text in (
+            ("B1 L1K", "pkv-auto", "4 M-blocks of G_PAD 16), 16-token K/V tiles, 4 warps, 3"),
+            ("B32 L8K", "pkv-auto", "G_PAD 64, 2 value blocks), 16-token K/V tiles, 4 warps, 2"),
+            ("B32 L8K", "pkv-auto:largerows0", "4 M-blocks of G_PAD 16), 16-token")):
         assert main(["explain", "--cell", cell, "--backend", backend, *d512]) == 0
-        assert f"tile: 64 query rows ({blocks} M-blocks of G_PAD {64 // blocks})" in \
-            capsys.readouterr().out, (cell, backend)
+        assert f"tile: 64 query rows ({text}" in capsys.readouterr().out, (cell, backend)

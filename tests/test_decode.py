@@ -406,9 +406,10 @@ def test_m_blocks_rule_and_checks():
 def test_step_size_tile_rule():
     """KernelConfig.step_size / for_step: a step of at most small_step_kv_bytes_per_sm x SMs bytes
     of K/V is small and cuts a tile of more than 16 rows into M-blocks of half its rows, where
-    the config cuts it less; one known (exact) to hold more is large and runs tiles of more than
-    large_step_tile_rows rows in blocks of that many, where the config's are smaller; anything
-    else keeps the config (the same object)."""
+    the config cuts it less; one known (exact) to hold more is large and runs tiles of
+    large_step_tile_rows rows or more in blocks of that many, where the config's are smaller;
+    anything else keeps the config (the same object). Head dim 512's large steps run 64-row
+    programs in two value blocks at two stages; its other programs one, at three."""
     from persistentkv.tuning import KernelConfig, default_config
 
     cfg = KernelConfig(small_step_kv_bytes_per_sm=1000)
@@ -423,12 +424,16 @@ def test_step_size_tile_rule():
     assert cfg.for_step(tile_rows=32, size="large") is cfg          # no large_step_tile_rows
     halves = cfg.for_step(tile_rows=64, size="small")
     assert (halves.row_blocks(tile_rows=64), halves.program_rows(tile_rows=64)) == (2, 32)
-    d512 = default_config(head_dim=512, num_kv_heads=2)      # blocks of 16; 32 on large steps
+    d512 = default_config(head_dim=512, num_kv_heads=2)      # blocks of 16; 64 on large steps
     assert [d512.for_step(tile_rows=n, size="large").block_rows(tile_rows=n)
-            for n in (8, 32, 64, 128)] == [8, 16, 32, 32]
+            for n in (8, 32, 64, 128)] == [8, 16, 64, 64]
     assert [d512.for_step(tile_rows=64, size=s) is d512 for s in ("small", "either")] == [True] * 2
     wide = d512.for_step(tile_rows=128, size="large")
-    assert (wide.row_blocks(tile_rows=128), wide.program_rows(tile_rows=128)) == (4, 32)
+    assert (wide.row_blocks(tile_rows=128), wide.program_rows(tile_rows=128),
+            wide.column_blocks(tile_rows=128), wide.head_items(tile_rows=128),
+            wide.stages(tile_rows=128)) == (2, 64, 2, 4, 2)
+    assert (d512.column_blocks(tile_rows=128), d512.stages(tile_rows=128)) == (1, 3)
+    assert (wide.column_blocks(tile_rows=32), wide.stages(tile_rows=32)) == (1, 3)
     assert default_config(head_dim=128, num_kv_heads=8).large_step_tile_rows is None
     with pytest.raises(ValueError, match="size must be 'small', 'large' or 'either', got 'big'"):
         cfg.for_step(tile_rows=32, size="big")
@@ -439,6 +444,9 @@ def test_step_size_tile_rule():
     with pytest.raises(ValueError, match="KernelConfig.large_step_tile_rows must be a power of "
                                          "two >= 16, got 24"):
         KernelConfig(large_step_tile_rows=24)
+    with pytest.raises(ValueError, match="KernelConfig.value_block_stages must be None or a "
+                                         "positive int, got 0"):
+        KernelConfig(value_block_stages=0)
 
 
 def test_register_cap_by_program_rows():

@@ -101,10 +101,10 @@ def test_small_steps_cut_the_tile_in_half(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_steps_widen_head_dim_512_blocks(backend):
     """Head dim 512 runs tiles of more than 16 rows as M-blocks of 16, and a step known to be
-    large (a CSR page list past the threshold, outside graph mode) those of more than 32 rows
-    in blocks of 32 (16 queries x group 4: 64 rows), correct in every schedule. A block table's
-    rows x width, a window and graph mode's buffers only bound the step, so they keep blocks of
-    16."""
+    large (a CSR page list past the threshold, outside graph mode) those of 64 rows or more in
+    64-row programs, two to a task's columns (16 queries x group 4: 64 rows), correct in every
+    schedule. A block table's rows x width, a window and graph mode's buffers only bound the
+    step, so they keep blocks of 16."""
     from persistentkv.tuning import default_config
 
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=512, page_size=16)
@@ -113,7 +113,8 @@ def test_large_steps_widen_head_dim_512_blocks(backend):
                                  small_step_kv_bytes_per_sm=1)
     split = 1 if backend == "split" else None
     plan = _check(case, [16, 5], backend=backend, split_pages=split, heads=heads, config=config)
-    assert plan.config.block_rows(tile_rows=64) == 32
+    assert (plan.config.block_rows(tile_rows=64), plan.config.column_blocks(tile_rows=64),
+            plan.config.stages(tile_rows=64)) == (64, 2, 2)
     q, qo_indptr = queries(case, [16, 5], 0)
     csr = csr_kwargs(case.table)
     graph = dict(use_cuda_graph=True, max_batch_size=2, max_queries_per_row=16,
@@ -340,13 +341,15 @@ def test_value_blocks_every_schedule(backend):
     """Programs of 64 rows or more share a task's output columns (value blocks): 16 queries x
     group 8 (128 rows: two M-blocks of 64, each in two value blocks of 16 of the 32 columns),
     then 8 queries (one 64-row block), with a sink logit and soft-cap on the second; rows of
-    1-7 queries beside them, in every schedule against the float64 reference."""
+    1-7 queries beside them, in every schedule against the float64 reference. Split into pages,
+    the 300-token row merges 19 partials in two levels, whose groups overwrite their first
+    partial: each value block keeps its own lse there (on a GPU, a shared one raced)."""
     heads = dict(num_qo_heads=16, num_kv_heads=2, head_dim=32, page_size=16)
     config = KernelConfig(block_n=32, value_blocks=2)
     assert config.head_items(tile_rows=128) == 4 and config.head_items(tile_rows=16) == 1
-    case = make_case(seq_lens=[70, 9, 130, 33], **heads, seed=21)
+    case = make_case(seq_lens=[70, 9, 300, 33], **heads, seed=21)
     _check(case, [16, 1, 7, 4], backend=backend, heads=heads,
-           split_pages=2 if backend == "split" else None, config=config)
+           split_pages=1 if backend == "split" else None, config=config)
     q, qo_indptr = queries(case, [8, 3, 1, 5], 22)
     sinks = torch.randn(16, dtype=torch.float32, device=DEVICE)
     wrapper = DecodeWrapper(case.layout)

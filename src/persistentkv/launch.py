@@ -255,10 +255,11 @@ class DecodeLauncher:
             v_transposed=self.kv_layout == "HND_VT",
             **cfg.tile_shape(tile_rows=max_queries * group, kv_fp8=fp8))
         max_registers = cfg.registers(tile_rows=max_queries * group)
+        num_stages = cfg.stages(tile_rows=max_queries * group)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
         # and fresh outputs come from torch's allocator, always aligned).
-        key = (tuple(constexprs.values()), cfg.num_warps, cfg.num_stages, max_registers,
+        key = (tuple(constexprs.values()), cfg.num_warps, num_stages, max_registers,
                q.dtype, strides,
                q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,
@@ -266,7 +267,7 @@ class DecodeLauncher:
                None if kv_scales is None else kv_scales.data_ptr() % 16)
         return self._launcher.bind(grid=(plan.programs,), key=key, fixed=fixed,
                                    constexprs=constexprs, num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages, device_index=q.device.index,
+                                   num_stages=num_stages, device_index=q.device.index,
                                    launch_pdl=constexprs["PDL"],
                                    max_registers=max_registers)
 

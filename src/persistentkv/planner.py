@@ -55,7 +55,7 @@ class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
     [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
     partial outputs [slots * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
-    in the first half where it is 16-bit) and lse fp32 [slots * Hq], with slots the partial
+    in the first half where it is 16-bit) and lse fp32 [slots * Hq * value blocks], with slots the partial
     capacity (tasks of rows cut in two or more: schedule.partial_bound), merge counters int32
     [slots * Hkv * M-blocks], by partial slot and head item (zero between launches), and the
     page guard's copy of a trusted page table, int32 [entries] (guard.py), and the rows' lengths
@@ -76,22 +76,24 @@ class Workspace:
     def capacity(self) -> int:
         return self.tasks.shape[0]
 
-    def partial_capacity(self, *, partial_heads: int, head_dim: int, kv_heads: int) -> int:
+    def partial_capacity(self, *, partial_heads: int, head_dim: int, kv_heads: int,
+                         value_blocks: int = 1) -> int:
         """Tasks with a partial the buffers hold for plans of this shape (the planner refuses a
-        plan of more)."""
-        return min(self.part_lse.numel() // partial_heads,
+        plan of more; value_blocks: lse rows a partial row keeps, KernelConfig.column_blocks)."""
+        return min(self.part_lse.numel() // (partial_heads * value_blocks),
                    self.part_o.numel() // (partial_heads * head_dim),
                    self.counters.numel() // kv_heads)
 
     def fits(self, *, tasks: int, partial_tasks: int, partial_heads: int, head_dim: int,
-             kv_heads: int, pages: int, rows: int) -> bool:
+             kv_heads: int, pages: int, rows: int, value_blocks: int = 1) -> bool:
         return (self.capacity >= tasks and self.safe_pages.numel() >= pages
                 and self.row_lens.numel() >= rows
                 and self.partial_capacity(partial_heads=partial_heads, head_dim=head_dim,
-                                          kv_heads=kv_heads) >= partial_tasks)
+                                          kv_heads=kv_heads,
+                                          value_blocks=value_blocks) >= partial_tasks)
 
     def reserve(self, *, tasks: int, partial_tasks: int, partial_heads: int, head_dim: int,
-                kv_heads: int, pages: int, rows: int) -> None:
+                kv_heads: int, pages: int, rows: int, value_blocks: int = 1) -> None:
         """Room for `tasks` task records, the partials of `partial_tasks` of them (partial_heads
         rows each) and their merge counters, a copy of `pages` page-table entries, and `rows`
         row lengths."""
@@ -108,8 +110,9 @@ class Workspace:
             grown = True
         partial_tasks = -(-max(partial_tasks, 1) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
         slots = partial_tasks * partial_heads
-        if self.part_lse.numel() < slots or self.part_o.numel() < slots * head_dim:
-            self.part_lse = torch.empty(slots, dtype=torch.float32, device=self.device)
+        if self.part_lse.numel() < slots * value_blocks or self.part_o.numel() < slots * head_dim:
+            self.part_lse = torch.empty(slots * value_blocks, dtype=torch.float32,
+                                        device=self.device)
             self.part_o = torch.empty(slots * head_dim, dtype=torch.float32, device=self.device)
             grown = True
         if self.counters.numel() < partial_tasks * kv_heads:
@@ -241,6 +244,8 @@ class Planner:
                                       for most_rows, longest in bins),
                     partial_heads=options.num_qo_heads * q_pad, head_dim=options.head_dim,
                     kv_heads=head_items, rows=rows,
+                    value_blocks=config.column_blocks(
+                        tile_rows=q_pad * (options.num_qo_heads // options.num_kv_heads)),
                     pages=0 if options.check_page_table else max(guarded_extent(table),
                                                                   self.fixed_pages or 0))
         if ws is None or ws.device != device:
@@ -364,7 +369,9 @@ class Planner:
                                           ws.partial_capacity(
                                               partial_heads=options.num_qo_heads * q_pad,
                                               head_dim=options.head_dim,
-                                              kv_heads=_head_items(options, config, q_pad)),
+                                              kv_heads=_head_items(options, config, q_pad),
+                                              value_blocks=config.column_blocks(
+                                                  tile_rows=q_pad * group)),
                                           *before_split, smallest_split, *after_split,
                                           window_tokens),
                                    constexprs=constexprs, num_warps=4, num_stages=2,

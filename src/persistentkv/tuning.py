@@ -66,12 +66,13 @@ class KernelConfig:
     (KernelConfig.for_step; 0: never, and no step is large either). More, smaller programs
     take the latency-bound steps; one tile reads each K/V tile once on the bandwidth-bound ones.
     large_step_tile_rows: a step known to hold more than that (KernelConfig.for_step) runs
-    tiles of more than this many rows in M-blocks of this many, where this config's blocks are
+    tiles of this many rows or more in M-blocks of this many, where this config's blocks are
     smaller (None: as this config): fewer programs re-read each K/V tile from L2.
     value_blocks: programs that share a task's output columns (head_dim / value_blocks each,
     at least 16; head_dim a power of two) where a program's tile has 64 rows or more (the
     warp-group MMA's): each reads all of K for the scores and its share of V, and holds its
-    share of the accumulator.
+    share of the accumulator. value_block_stages: those programs' num_stages (None: num_stages),
+    so that their tile's shared memory leaves room for programs_per_sm of them.
     """
 
     block_n: int = 64
@@ -93,6 +94,7 @@ class KernelConfig:
     small_step_kv_bytes_per_sm: int = 0
     large_step_tile_rows: int | None = None
     value_blocks: int = 1
+    value_block_stages: int | None = None
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -108,8 +110,9 @@ class KernelConfig:
     def for_step(self, *, tile_rows: int, size: str) -> KernelConfig:
         """The configuration a step of `size` (step_size) runs: this one, or for a small step,
         tiles of more than 16 query rows (query tokens x group) cut into M-blocks of half their
-        rows (16 at least) where this one cuts them less; for a large one, tiles of more than
-        large_step_tile_rows rows in blocks of that many where this one cuts them more."""
+        rows (16 at least) where this one cuts them less; for a large one, tiles of
+        large_step_tile_rows rows or more in blocks of that many where this one cuts them
+        more."""
         if size not in ("small", "large", "either"):
             raise ValueError(f"size must be 'small', 'large' or 'either', got {size!r}")
         rows = self.block_rows(tile_rows=tile_rows)
@@ -118,7 +121,7 @@ class KernelConfig:
             if rows > half:
                 return dataclasses.replace(self, max_tile_rows=half)
         wide = self.large_step_tile_rows
-        if size == "large" and wide is not None and tile_rows > wide and rows < wide:
+        if size == "large" and wide is not None and tile_rows >= wide and rows < wide:
             return dataclasses.replace(self, max_tile_rows=wide)
         return self
 
@@ -148,6 +151,13 @@ class KernelConfig:
         """Programs that share a task's output columns: value_blocks where a program's tile
         has 64 rows or more, else 1."""
         return self.value_blocks if self.program_rows(tile_rows=tile_rows) >= 64 else 1
+
+    def stages(self, *, tile_rows: int) -> int:
+        """Triton's num_stages for tasks of tile_rows query rows: value_block_stages where the
+        programs share a task's columns (column_blocks > 1) and it is set, else num_stages."""
+        if self.value_block_stages is not None and self.column_blocks(tile_rows=tile_rows) > 1:
+            return self.value_block_stages
+        return self.num_stages
 
     def head_items(self, *, tile_rows: int) -> int:
         """Programs that one task takes per KV head: its M-blocks x its value blocks."""
@@ -205,6 +215,11 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"KernelConfig.{name} must be an int >= 0, got {value!r}")
+        value = self.value_block_stages
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"KernelConfig.value_block_stages must be None or a positive int, "
+                             f"got {value!r}")
         for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows", "min_tile_rows",
                      "max_registers_rows", "large_step_tile_rows"):
             value = getattr(self, name)
@@ -264,11 +279,17 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     (SMALL_STEP_KV_BYTES_PER_SM, v36). Head dim 512's large steps run tiles of more than 32 rows
     in blocks of 32 (v37, H100, two runs over 13 cells at 4, 8 and 16 queries: 8-24% faster from
     127 MB at 16 queries, 2-20% on six of eight such cells at 8, 5-9% slower on B1 L32K and B4
-    L8K there; the 32-row tile of 4 queries whole lost 2-34%, so it stays in blocks of 16)."""
+    L8K there; the 32-row tile of 4 queries whole lost 2-34%, so it stays in blocks of 16).
+    v38 (H100): those large steps' tiles of 64 rows or more run in 64-row programs, two to a
+    task's columns (value blocks of 256) at two stages (112 KB of shared memory: two programs an
+    SM), 3-14% faster than blocks of 32 on 15 of 16 cells at 8 and 16 queries (B32 L1K at 8 within
+    1%), v37's two losses at 8 queries gone; value blocks of 128, and three stages at one program
+    an SM, were slower."""
     small = SMALL_STEP_KV_BYTES_PER_SM if head_dim >= 128 else 0
     if head_dim > 256:
         return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16,
-                            small_step_kv_bytes_per_sm=small, large_step_tile_rows=32)
+                            small_step_kv_bytes_per_sm=small, large_step_tile_rows=64,
+                            value_blocks=2, value_block_stages=2)
     if head_dim > 128:
         return KernelConfig(block_n=32, min_tile_rows=16, max_registers=224, max_registers_rows=16,
                             small_step_kv_bytes_per_sm=small)

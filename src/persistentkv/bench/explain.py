@@ -164,5 +164,5 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
         tile_rows=rows, m_blocks=tile["m_blocks"], g_pad=tile["g_pad"], d_blocks=tile["d_blocks"],
         block_n=tile["block_n"],
         long_block_n=tile["long_block_n"], long_from_tokens=tile["long_from_tokens"],
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.stages(tile_rows=rows),
         max_registers=config.registers(tile_rows=rows))
