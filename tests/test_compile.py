@@ -114,10 +114,16 @@ def test_head_dim_256_caps_small_tiles_and_not_wide_ones():
 
 
 def test_head_dim_512_runs_wide_tiles_as_blocks_of_16_rows():
-    """At head dim 512 a 64-row tile (8 queries at group 8) spills over a kilobyte a thread; the
-    default runs it as four M-blocks of 16 rows, which spill at most a few bytes."""
+    """At head dim 512 a 64-row tile (8 queries at group 8) spills over a kilobyte a thread and
+    takes 160 KB of shared memory (one program an SM); the default runs it as four M-blocks of
+    16 rows, which spill at most a few bytes, and a large step's 64-row programs two to its
+    columns (value blocks of 256 at two stages), which spill under half of it in 112 KB."""
     stack = re.compile(r"stack (\d+) B")
+    shared = re.compile(r"(\d+) B shared")
     blocks = _compile_check("--shape", "8,512,8")[0]
-    whole = _compile_check("--shape", "8,512,8", "--config", "max_tile_rows=64")[0]
+    whole = _compile_check("--shape", "8,512,8", "--config", "max_tile_rows=64,value_blocks=1")[0]
+    halves = _compile_check("--shape", "8,512,8", "--config", "max_tile_rows=64")[0]
     assert int(stack.search(blocks).group(1)) <= 16, blocks
     assert int(stack.search(whole).group(1)) > 1024, whole
+    assert int(stack.search(halves).group(1)) < int(stack.search(whole).group(1)) // 2, halves
+    assert int(shared.search(halves).group(1)) <= 114688 < int(shared.search(whole).group(1))

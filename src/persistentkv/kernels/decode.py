@@ -309,15 +309,14 @@ def _arrive(counter_ptr, expected):
 
 
 @triton.jit
-def _store_partial(o, lse2, slot, part_rows, lse_rows, offs_d, mask, g_mask, part_o_ptr,
-                   part_lse_ptr, SLOT_ROWS: tl.constexpr, LSE_SLOT_ROWS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):
+def _store_partial(o, lse2, slot, part_rows, offs_d, mask, g_mask, part_o_ptr, part_lse_ptr,
+                   SLOT_ROWS: tl.constexpr, LSE_SLOT_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Tile row r -> row part_rows[r] of partial slot `slot` (SLOT_ROWS rows per slot; o in
-    part_o_ptr's element type), its lse to row lse_rows[r] (LSE_SLOT_ROWS a slot)."""
+    part_o_ptr's element type), its lse to part_lse_ptr + slot * LSE_SLOT_ROWS + part_rows[r]."""
     slot = slot.to(tl.int64)
     tl.store(part_o_ptr + (slot * SLOT_ROWS + part_rows[:, None]) * HEAD_DIM + offs_d[None, :],
              o.to(part_o_ptr.dtype.element_ty), mask=mask)
-    tl.store(part_lse_ptr + slot * LSE_SLOT_ROWS + lse_rows, lse2, mask=g_mask)
+    tl.store(part_lse_ptr + slot * LSE_SLOT_ROWS + part_rows, lse2, mask=g_mask)
     tl.debug_barrier()                      # every thread's stores precede the release
 
 
@@ -339,8 +338,9 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
     Q_PAD x Hq rows (query token j, head h at j * Hq + h); the merge tile has G_MERGE rows, the
     M-block's share of Q_PAD x GROUP (each M-block merges its own rows), and the value block's
     columns offs_d (D_PAD of them: each value block merges its own). The value blocks' lse are
-    equal, but each keeps its own (slot row r's at r * D_BLOCKS + value block), since a group's
-    merge overwrites its first slot while another value block may still read it.
+    equal, but each keeps its own (slot s's at lse row s * D_BLOCKS + value block, SLOT_ROWS
+    each), since a group's merge overwrites its first slot while another value block may still
+    read it.
     Partial outputs are kept in the output's dtype (fp16/bf16: half the bytes the merge reads;
     in the first half of the fp32 workspace; v26 measured 5-13% off the small multi-token steps)
     and merged in fp32; their lse in fp32."""
@@ -349,15 +349,15 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
     LSE_SLOT_ROWS: tl.constexpr = SLOT_ROWS * D_BLOCKS
     HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS * D_BLOCKS
     kv_head, m_block, d_block = _item_blocks(head_item, M_BLOCKS, D_BLOCKS)
+    part_lse_ptr += d_block * SLOT_ROWS          # this value block's lse rows of each slot
     part_o_ptr = part_o_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty))
-    _store_partial(o, lse2, slot_start + split, part_rows, part_rows * D_BLOCKS + d_block, offs_d,
-                   mask, g_mask, part_o_ptr, part_lse_ptr, SLOT_ROWS, LSE_SLOT_ROWS, HEAD_DIM)
+    _store_partial(o, lse2, slot_start + split, part_rows, offs_d, mask, g_mask, part_o_ptr,
+                   part_lse_ptr, SLOT_ROWS, LSE_SLOT_ROWS, HEAD_DIM)
     offs_m = m_block * G_MERGE + tl.arange(0, G_MERGE)
     m_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
     merge_mask = m_mask[:, None] & d_mask[None, :]
     merge_heads = kv_head * GROUP + offs_m % GROUP
     merge_rows = offs_m // GROUP * NUM_QO_HEADS + merge_heads
-    merge_lse_rows = merge_rows * D_BLOCKS + d_block
     ready = num_splits > 0
     count = num_splits
     stride = num_splits * 0 + 1
@@ -369,24 +369,21 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
         ready = _arrive(counters_ptr + (slot_start + first) * HEAD_ITEMS + head_item, members)
         if ready:
             o_g, lse_g = merge_partials(part_o_ptr, part_lse_ptr, (slot_start + first).to(tl.int64),
-                                        members, 1, merge_rows, merge_lse_rows, m_mask, offs_d,
-                                        d_mask, SLOT_ROWS, LSE_SLOT_ROWS, G_MERGE, HEAD_DIM,
-                                        D_PAD)
+                                        members, 1, merge_rows, m_mask, offs_d, d_mask,
+                                        SLOT_ROWS, LSE_SLOT_ROWS, G_MERGE, HEAD_DIM, D_PAD)
             # the group's result overwrites its first partial: every thread's loads of it first
             # (a value is held by several threads where the tile has fewer elements than threads)
             tl.debug_barrier()
-            _store_partial(o_g, lse_g, slot_start + first, merge_rows, merge_lse_rows, offs_d,
-                           merge_mask, m_mask, part_o_ptr, part_lse_ptr, SLOT_ROWS,
-                           LSE_SLOT_ROWS, HEAD_DIM)
+            _store_partial(o_g, lse_g, slot_start + first, merge_rows, offs_d, merge_mask,
+                           m_mask, part_o_ptr, part_lse_ptr, SLOT_ROWS, LSE_SLOT_ROWS, HEAD_DIM)
         count = tl.cdiv(num_splits, fanin)
         stride = fanin
         row_counter = slot_start + 1
     if ready:
         if _arrive(counters_ptr + row_counter * HEAD_ITEMS + head_item, count):
             o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
-                                            count, stride, merge_rows, merge_lse_rows, m_mask,
-                                            offs_d, d_mask, SLOT_ROWS, LSE_SLOT_ROWS, G_MERGE,
-                                            HEAD_DIM, D_PAD)
+                                            count, stride, merge_rows, m_mask, offs_d, d_mask,
+                                            SLOT_ROWS, LSE_SLOT_ROWS, G_MERGE, HEAD_DIM, D_PAD)
             _store_final(o_row, lse_row, q_start + offs_m // GROUP, merge_heads, out_ptr,
                          lse_ptr, stride_ob, stride_oh, offs_d, merge_mask, m_mask, NUM_QO_HEADS,
                          RETURN_LSE)

@@ -14,13 +14,11 @@ MERGE_IN_FLIGHT_BYTES = tl.constexpr(32768)
 
 
 @triton.jit
-def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, rows, lse_rows,
-                   row_mask, cols, col_mask, SLOT_ROWS: tl.constexpr,
-                   LSE_SLOT_ROWS: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   D_PAD: tl.constexpr):
+def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, rows, row_mask,
+                   cols, col_mask, SLOT_ROWS: tl.constexpr, LSE_SLOT_ROWS: tl.constexpr,
+                   G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """Exact merge of the partials in slots first_slot + i * slot_stride, i < count, for the slot
-    rows `rows` [G_MERGE] (row_mask: which are real; their lse at lse_rows) and columns `cols`
-    [D_PAD] (col_mask).
+    rows `rows` [G_MERGE] (row_mask: which are real) and columns `cols` [D_PAD] (col_mask).
 
     Partials: o [slots, SLOT_ROWS, HEAD_DIM] (normalized; in the output's dtype, part_o_ptr's
     element type), lse2 fp32 [slots, LSE_SLOT_ROWS] (base 2). One partial per step, the tile padded
@@ -40,7 +38,7 @@ def merge_partials(part_o_ptr, part_lse_ptr, first_slot, count, slot_stride, row
                             else 2 if PARTIAL_BYTES * 2 <= MERGE_IN_FLIGHT_BYTES else 1)
     for i in tl.range(0, count, loop_unroll_factor=UNROLL):
         slot = first_slot + i * slot_stride
-        lse = tl.load(part_lse_ptr + slot * LSE_SLOT_ROWS + lse_rows, mask=row_mask,
+        lse = tl.load(part_lse_ptr + slot * LSE_SLOT_ROWS + rows, mask=row_mask,
                       other=float("-inf"), cache_modifier=".cg")                      # [G]
         o = tl.load(part_o_ptr + (slot * SLOT_ROWS + rows[:, None]) * HEAD_DIM + cols[None, :],
                     mask=hd_mask, other=0.0, cache_modifier=".cg").to(tl.float32)    # [G, D]
