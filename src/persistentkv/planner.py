@@ -55,9 +55,10 @@ class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
     [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
     partial outputs [slots * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
-    in the first half where it is 16-bit) and lse fp32 [slots * Hq * value blocks], with slots the partial
-    capacity (tasks of rows cut in two or more: schedule.partial_bound), merge counters int32
-    [slots * Hkv * M-blocks], by partial slot and head item (zero between launches), and the
+    in the first half where it is 16-bit) and lse fp32 [slots * Hq * value blocks], with slots
+    the partial capacity (tasks of rows cut in two or more: schedule.partial_bound), merge
+    counters int32 [slots * head items] (KV heads x M-blocks x value blocks), by partial slot
+    and head item (zero between launches), and the
     page guard's copy of a trusted page table, int32 [entries] (guard.py), and the rows' lengths
     int32 [rows] (the planner's). `generation` counts the reallocations."""
 

@@ -470,9 +470,10 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     of at least T tokens; ':longblockn0' none of their own), ':tilerowsR' (a program's query
     rows: a task of more runs as M-blocks of R), ':padrowsR' (a program's tile of more than 16
     rows padded to at least R), ':smallstepB' (steps of at most B bytes of K/V an SM cut their
-    tile in half; 0: never), ':largerowsR' (steps known to hold more run tiles of more than R
-    rows as M-blocks of R; 0: never), ':valueblocksV' (programs of 64 rows or more share a
-    task's output columns V ways), ':valuestagesS' (their stages; 0: the config's), e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3'.
+    tile in half; 0: never), ':largerowsR' (steps known to hold more run tiles of R rows or
+    more as M-blocks of R; 0: never), ':valueblocksV' (programs of 64 rows or more share a
+    task's output columns V ways), ':valuestagesS' (their stages; 0: the config's), e.g.
+    'pkv-split@16:warps8', 'pkv-auto:pps3'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]

@@ -205,20 +205,20 @@ def _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start, 
             acc, m_i, l_i = _attend_range(
                 q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
                 stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
-                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N_LONG, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
-                SCALE_KV, V_T)
+                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N_LONG, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8,
+                TOKEN_SCALES, SCALE_KV, V_T)
         else:
             acc, m_i, l_i = _attend_range(
                 q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
                 stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
-                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
-                SCALE_KV, V_T)
+                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8,
+                TOKEN_SCALES, SCALE_KV, V_T)
     else:
         acc, m_i, l_i = _attend_range(
             q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
             stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
-            G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8, TOKEN_SCALES,
-            SCALE_KV, V_T)
+            G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8,
+            TOKEN_SCALES, SCALE_KV, V_T)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_FP8:                              # and a per-tensor V scale into the output
