@@ -282,9 +282,9 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     L8K there; the 32-row tile of 4 queries whole lost 2-34%, so it stays in blocks of 16).
     v38 (H100): those large steps' tiles of 64 rows or more run in 64-row programs, two to a
     task's columns (value blocks of 256) at two stages (112 KB of shared memory: two programs an
-    SM), 3-14% faster than blocks of 32 on 15 of 16 cells at 8 and 16 queries (B32 L1K at 8 within
-    1%), v37's two losses at 8 queries gone; value blocks of 128, and three stages at one program
-    an SM, were slower."""
+    SM): at 16 queries 6-14% faster than blocks of 32 on four cells (B32 L8K 1458 -> 1252 us), at
+    8 within -2.4% to +2.0% (one run); value blocks of 128, and three stages at one program an
+    SM, were slower."""
     small = SMALL_STEP_KV_BYTES_PER_SM if head_dim >= 128 else 0
     if head_dim > 256:
         return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16,
