@@ -364,12 +364,22 @@ def test_value_blocks_every_schedule(backend):
     assert relative_error(lse, ref_lse) <= 1e-4
 
 
+def test_value_blocks_past_a_head_dim_that_is_not_a_power_of_two():
+    """Head dim 48 pads to 64: two value blocks of 32 columns, the second's last 16 masked (8
+    queries x group 8: one 64-row program a value block); the 100-token row in splits of a
+    page merges in one level, the 300-token row in two."""
+    heads = dict(num_qo_heads=16, num_kv_heads=2, head_dim=48, page_size=16)
+    case = make_case(seq_lens=[100, 300], **heads, seed=24)
+    _check(case, [8, 2], backend="split", split_pages=1, heads=heads,
+           config=KernelConfig(block_n=32, value_blocks=2))
+
+
 def test_value_blocks_must_cut_head_dim_into_blocks_of_16():
-    case = make_case(seq_lens=[40], num_qo_heads=8, num_kv_heads=2, head_dim=32, page_size=16,
+    case = make_case(seq_lens=[40], num_qo_heads=8, num_kv_heads=2, head_dim=48, page_size=16,
                      seed=23)
     wrapper = DecodeWrapper(case.layout)
-    with pytest.raises(ValueError, match="value_blocks=4 must cut head_dim 32"):
-        wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=32,
-                     page_size=16, config=KernelConfig(value_blocks=4))
+    with pytest.raises(ValueError, match="value_blocks=8 must cut head_dim 48"):
+        wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=48,
+                     page_size=16, config=KernelConfig(value_blocks=8))
     with pytest.raises(ValueError, match="value_blocks must be a power of two"):
         KernelConfig(value_blocks=3)

@@ -68,8 +68,8 @@ class KernelConfig:
     large_step_tile_rows: a step known to hold more than that (KernelConfig.for_step) runs
     tiles of this many rows or more in M-blocks of this many, where this config's blocks are
     smaller (None: as this config): fewer programs re-read each K/V tile from L2.
-    value_blocks: programs that share a task's output columns (head_dim / value_blocks each,
-    at least 16; head_dim a power of two) where a program's tile has 64 rows or more (the
+    value_blocks: programs that share a task's output columns (head_dim padded to a power of
+    two / value_blocks each, at least 16) where a program's tile has 64 rows or more (the
     warp-group MMA's): each reads all of K for the scores and its share of V, and holds its
     share of the accumulator. value_block_stages: those programs' num_stages (None: num_stages),
     so that their tile's shared memory leaves room for programs_per_sm of them.

@@ -23,7 +23,7 @@ from .planner import DecodePlan, Planner, PlanOptions
 from .policy import Policy
 from .quant import FP8
 from .queries import MAX_QUERIES_PER_ROW, graph_query_layout, host_seq_lens, query_layout
-from .runtime import check_interpreter_numpy
+from .runtime import check_interpreter_numpy, next_power_of_2
 from .schedule import DETERMINISTIC_SPLIT_TOKENS, SCHEDULES, Choice
 from .tuning import KernelConfig, default_config
 
@@ -266,10 +266,10 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         config = default_config(head_dim=head_dim, num_kv_heads=num_kv_heads)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a KernelConfig, got {type(config).__name__}")
-    elif config.value_blocks > 1 and (head_dim & (head_dim - 1)
-                                      or head_dim // config.value_blocks < 16):
+    elif next_power_of_2(head_dim) // config.value_blocks < 16:
         raise ValueError(f"config.value_blocks={config.value_blocks} must cut head_dim "
-                         f"{head_dim} (then a power of two) into blocks of at least 16 columns")
+                         f"{head_dim} (padded to a power of two) into blocks of at least 16 "
+                         f"columns")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
     else:

@@ -521,10 +521,10 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
         raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
                          f"got {m_blocks}")
-    if d_blocks != 1 and (d_blocks < 1 or next_power_of_2(head_dim) != head_dim
-                          or head_dim % d_blocks or head_dim // d_blocks < 16):
-        raise ValueError(f"d_blocks must cut head_dim {head_dim} (a power of two) into blocks "
-                         f"of at least 16 columns, got {d_blocks}")
+    if d_blocks != 1 and (d_blocks < 1 or d_blocks & (d_blocks - 1)
+                          or next_power_of_2(head_dim) // d_blocks < 16):
+        raise ValueError(f"d_blocks must cut head_dim {head_dim} (padded to a power of two) into "
+                         f"blocks of at least 16 columns, got {d_blocks}")
     block = max(16, rows) // m_blocks
     if g_pad is None:
         g_pad = block
