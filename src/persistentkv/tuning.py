@@ -35,8 +35,8 @@ class KernelConfig:
     at least this many tokens (0: only where its tasks overflow a round; schedule.py);
     split_over_chunk: the default rule plans balanced chunks, too, where the split rule's split
     is more than this many times a balanced chunk (0: never): one round of splits lasts as long
-    as its longest task, chunks share the step's tokens evenly over the programs; one_round: the balanced split
-    grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
+    as its longest task, chunks share the step's tokens evenly over the programs; one_round: the
+    balanced split grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
     target, instead of each row's last, partial split overflowing it by up to one task per row
     (schedule.default_split_pages). Together (2 programs per SM, waves 2): one task per program on
     split steps, and four or more rounds of whole rows on large batches; measured best against 3

@@ -115,8 +115,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
                 block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
                 task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
-                split_over_chunk, whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
-                window_tokens,
+                split_over_chunk, whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins,
+                n_spread_bins, window_tokens,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
                 EDGES: tl.constexpr):
@@ -179,7 +179,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     over = tl.sum(tl.where(active, tl.cdiv(lens, split), 0), axis=0) > target_tasks
     long_split = (balanced_from_tokens > 0) & (split >= balanced_from_tokens)
     chunk = _chunk_pages(lens, active, chunk_target, min_split_tokens, PAGE_SIZE) * PAGE_SIZE
-    uneven = (split_over_chunk > 0) & (split.to(tl.float32) > split_over_chunk * chunk.to(tl.float32))
+    uneven = (split_over_chunk > 0) & (split.to(tl.float32)
+                                       > split_over_chunk * chunk.to(tl.float32))
     code = tl.where((code == 0) & (over | long_split | uneven), BALANCED, code)
     mine = offs == row
     my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
