@@ -256,44 +256,22 @@ class KernelConfig:
 
 @functools.lru_cache(maxsize=None)
 def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
-    """The default for a shape: K/V tiles of about 4096 elements (block_n x head_dim) at three
-    stages. Measured on the H200 (docs/perf-notes.md, v8): head dim 256 at block_n 32 with three
-    stages instead of two; head dim 64 at block_n 128 where a step has 4 or more KV heads
-    (gpt-oss 64/8: geomean 1.024 -> 1.044x FlashInfer; v27: 64 for tasks under 1K tokens and 128
-    from there, in one kernel, 1.053 -> 1.058x in two runs, B4 zipf 0.92 -> 1.02x; 128 for every
-    task past 16 tile rows, v28: KernelConfig.tile_tokens; an fp8 cache keeps 128), at 64 with fewer (gpt-oss-tp8 8/1: 128 cost 3-10% on its small, latency-bound
-    cells, 1.093 -> 1.065x; v22: four stages there took its large steps by 2.2-2.4% and cost its
-    mixed batches 1-6%, geomean 1.074 -> 1.065x, not kept; v27: 128 from 1K-token tasks took its
-    two largest steps 1.6-2.7% and cost its other cells up to 6%, 255 registers against 168: not
-    kept). Head dim 512 at block_n 16: compiled for sm_90a, block_n 32 spills (255 registers, 32
-    B of stack) and needs 145 KB of shared memory at three stages; 16 keeps 222 registers, no
-    spill, 81 KB (scripts/compile_check.py; timed in v10: 0.93-0.98x FlashInfer where
-    bandwidth-bound), and splits of at least 32 tokens there, not 128 (v33, H100: B1 L1K 17.6 ->
-    13.2 us, B1 L8K 4% faster, the other cells within noise; the same floor in bytes elsewhere,
-    256 tokens at head dim 64, cost gpt-oss-tp8's small cells up to 18%, and 64 at head dim 256
-    gained nothing). An fp8 cache at head dim 128 reads tiles of 128 tokens, the fp16 tile's
-    bytes (v11: 1.12x geomean over the fp16 tile per tensor, 1.38x per token; per tensor 1-13%
-    slower on the cells of under 40 MB of fp16 KV). Tiles of more than 16 query rows are padded
-    to 64 (min_tile_rows) at head dims up to 128 only, where it was measured (v32); past 128 the
-    padded tile spills and takes one program an SM (compiled for sm_90a, 32 rows: head dim 256
-    no stack and 84 KB -> 96-112 B of stack and 131 KB; 512, 128 B -> 1600 B and 99 -> 164 KB).
-    Head dim 512 runs tiles of more than 16 rows as M-blocks of 16 (v34, H100: the 64-row tile
-    of 8 queries at group 8 spills 1640 B and ran 2.5-7x slower than blocks of 16 or 32; blocks
-    of 16 took the one-query-step-sized cells 2x over blocks of 32 at 4, 8 and 16 queries and
-    lost 16-31% on the large steps, where both trail FlashInfer's prefill path). Head dim 256
-    caps programs of at most 16 rows at 224 registers (v34, H100: the compiler's 168 spills 24-32
-    B, aiming at three programs an SM where the persistent grid runs two; 0.3-6% faster at 1, 4
-    and 8 queries a row; the 32-row tile of 16 queries lost 1-10% under the cap, so not there).
-    From head dim 128, small steps run tiles past 16 rows in M-blocks of half their rows
-    (SMALL_STEP_KV_BYTES_PER_SM, v36). Head dim 512's large steps run tiles of more than 32 rows
-    in blocks of 32 (v37, H100, two runs over 13 cells at 4, 8 and 16 queries: 8-24% faster from
-    127 MB at 16 queries, 2-20% on six of eight such cells at 8, 5-9% slower on B1 L32K and B4
-    L8K there; the 32-row tile of 4 queries whole lost 2-34%, so it stays in blocks of 16).
-    v38 (H100): those large steps' tiles of 64 rows or more run in 64-row programs, two to a
-    task's columns (value blocks of 256) at two stages (112 KB of shared memory: two programs an
-    SM): at 16 queries 6-14% faster than blocks of 32 on four cells (B32 L8K 1458 -> 1252 us), at
-    8 within -2.4% to +2.0% (one run); value blocks of 128, and three stages at one program an
-    SM, were slower."""
+    """The default for a shape; each rule's measurements are in docs/perf-notes.md (version):
+    - K/V tiles of about 4096 elements (block_n x head_dim) at three stages, two programs an SM
+      (v4, v8).
+    - Head dim 64 with 4 or more KV heads (gpt-oss): 64-token tiles for tasks under 1K tokens,
+      128 from there (v27) and for tiles past 16 rows (v28); fewer KV heads keep 64, where 128
+      cost the small, latency-bound steps (v22, v27). An fp8 cache reads 128-token tiles there
+      and at head dim 128, the fp16 tile's bytes (v11).
+    - Tiles of more than 16 query rows padded to 64 rows, the warp-group MMA's, up to head dim 128
+      (v32); past it the padded tile spills (v33).
+    - Head dim 129-256 (Gemma-2): 32-token tiles; programs of at most 16 rows capped at 224
+      registers, where the compiler's 168 spill (v34).
+    - Head dim 257-512: 16-token tiles (32 spill, v10), splits of at least 32 tokens (v33), tiles
+      past 16 rows in M-blocks of 16 (v34); large steps run tiles of 64 rows or more as 64-row
+      programs, two value blocks of a task's columns at two stages (v37, v38).
+    - From head dim 128, small steps cut tiles past 16 rows in half (SMALL_STEP_KV_BYTES_PER_SM,
+      v36)."""
     small = SMALL_STEP_KV_BYTES_PER_SM if head_dim >= 128 else 0
     if head_dim > 256:
         return KernelConfig(block_n=16, min_split_tokens=32, min_tile_rows=16, max_tile_rows=16,
