@@ -58,18 +58,16 @@ def documented_split(lens, *, page_size: int, num_kv_heads: int, config: KernelC
 def documented_plan(lens, *, page_size: int, num_kv_heads: int, config: KernelConfig,
                     sms: int = SMS) -> tuple[Choice, int]:
     """schedule.py's default rule: (Choice("split"), split tokens) when the split rule's tasks
-    fit in one round, their split is under balanced_from_tokens (0: any split) and at most
-    split_over_chunk chunks (0: any split), else (Choice("balanced"), chunk tokens)."""
+    fit in one round and their split is under balanced_from_tokens (0: any split), else
+    (Choice("balanced"), chunk tokens)."""
     split = documented_split(lens, page_size=page_size, num_kv_heads=num_kv_heads, config=config,
                              sms=sms)
     target = max(1, int(config.waves * sms / num_kv_heads))
-    chunk = page_size * documented_chunk_pages(lens, page_size=page_size,
-                                               num_kv_heads=num_kv_heads, config=config, sms=sms)
     short = not config.balanced_from_tokens or split < config.balanced_from_tokens
-    even = not config.split_over_chunk or split <= config.split_over_chunk * chunk
-    if sum(cdiv(int(n), split) for n in lens if n > 0) <= target and short and even:
+    if sum(cdiv(int(n), split) for n in lens if n > 0) <= target and short:
         return Choice("split"), split
-    return Choice("balanced"), chunk
+    return Choice("balanced"), page_size * documented_chunk_pages(
+        lens, page_size=page_size, num_kv_heads=num_kv_heads, config=config, sms=sms)
 
 
 def table_for(lens, page_size: int, seed: int = 0) -> PageTable:
@@ -285,21 +283,6 @@ def test_even_splits_keep_the_task_count():
                                                   config=config)
 
 
-def test_split_over_chunk_plans_chunks_where_splits_run_long():
-    """Eight rows, four short and four of 17-24K tokens, 33 tasks per KV head: the split rule
-    cuts the long rows into 33 tasks of at most 3040 tokens (one round), where 33 balanced
-    chunks of 2624 would share the step evenly. split_over_chunk 1.1 (3040 > 1.1 x 2624) plans
-    the chunks; 1.2 and 0 (off) keep the splits."""
-    lens = [767, 17289, 459, 24197, 591, 21440, 912, 20609]
-    for over, choice, split in ((0, "split", 3040), (1.2, "split", 3040), (1.1, "balanced", 2624)):
-        config = KernelConfig(waves=33 * 8 / SMS, programs_per_sm=PPS_33, split_over_chunk=over)
-        plan, starts = plan_for(lens, num_kv_heads=8, config=config)
-        info, _ = check_tasks(plan, lens, starts, 16)
-        assert (info["choice"], info["split_tokens"]) == (Choice(choice), split)
-        assert (Choice(choice), split) == documented_plan(lens, page_size=16, num_kv_heads=8,
-                                                          config=config)
-
-
 @pytest.mark.parametrize("lens", [[131072] * 4, [40000, 9000, 120000], [5000] * 12,
                                   [100000] + [1000] * 29])
 def test_one_round_fits_the_target_when_the_split_grows_little(lens):
@@ -400,9 +383,7 @@ def steps(draw):
                           one_round=draw(st.booleans(), label="one_round"),
                           programs_per_sm=draw(st.sampled_from([1, 2, 3]), label="programs_per_sm"),
                           balanced_from_tokens=draw(st.sampled_from([0, 64, 16384]),
-                                                    label="balanced_from_tokens"),
-                          split_over_chunk=draw(st.sampled_from([0, 1, 1.1]),
-                                                label="split_over_chunk"))
+                                                    label="balanced_from_tokens"))
     return dict(lens=lens, page_size=page, backend="split" if choice == "split@n" else choice,
                 split_pages=split_pages, config=config,
                 num_kv_heads=draw(st.sampled_from([1, 2, 8]), label="num_kv_heads"),

@@ -343,7 +343,7 @@ class Planner:
         # the kernel's scalars before and after the smallest split, which depends on the tile's
         # query rows too (_bind puts it between them)
         before_split = (choice.code() if dense is None else 0, target, chunks)
-        after_split = (cfg.balanced_from_tokens, float(cfg.split_over_chunk),
+        after_split = (cfg.balanced_from_tokens,
                        whole_row_min_rows(num_kv_heads=head_items, sm_count=sms),
                        WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
         return code_bins, target, chunks, (edges, table, before_split, after_split,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 from .runtime import next_power_of_2
@@ -33,10 +32,8 @@ class KernelConfig:
     programs_per_sm: persistent programs per SM of the decode kernel; balanced_from_tokens: the
     default rule plans balanced chunks, not the split rule's tasks, where the split rule's split is
     at least this many tokens (0: only where its tasks overflow a round; schedule.py);
-    split_over_chunk: the default rule plans balanced chunks, too, where the split rule's split
-    is more than this many times a balanced chunk (0: never): one round of splits lasts as long
-    as its longest task, chunks share the step's tokens evenly over the programs; one_round: the
-    balanced split grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
+    one_round: the balanced split
+    grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
     target, instead of each row's last, partial split overflowing it by up to one task per row
     (schedule.default_split_pages). Together (2 programs per SM, waves 2): one task per program on
     split steps, and four or more rounds of whole rows on large batches; measured best against 3
@@ -86,7 +83,6 @@ class KernelConfig:
     min_split_tokens: int = 128
     programs_per_sm: int = 2
     balanced_from_tokens: int = 16384
-    split_over_chunk: float = 0.0
     one_round: bool = True
     pdl: bool = False
     max_registers: int | None = None
@@ -247,11 +243,6 @@ class KernelConfig:
                              f"[24, 255], got {value!r}")
         if not self.waves > 0:
             raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
-        value = self.split_over_chunk
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not (value == 0 or 1 <= value < math.inf):
-            raise ValueError(f"KernelConfig.split_over_chunk must be 0 or a finite number >= 1, "
-                             f"got {value!r}")
 
 
 @functools.lru_cache(maxsize=None)

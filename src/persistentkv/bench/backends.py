@@ -391,7 +391,6 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "oneround": ("one_round", {"0": False, "1": True}.__getitem__),
                    "minsplit": ("min_split_tokens", int), "blockn": ("block_n", int),
                    "fp8blockn": ("fp8_block_n", int), "balfrom": ("balanced_from_tokens", int),
-                   "chunkover": ("split_over_chunk", float),
                    "pdl": ("pdl", {"0": False, "1": True}.__getitem__),
                    "maxreg": ("max_registers", lambda text: int(text) or None),
                    "maxregrows": ("max_registers_rows", lambda text: int(text) or None),
@@ -465,7 +464,7 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     launch configuration of ours: ':warpsW', ':stagesS', ':ppsP' (persistent programs per SM),
     ':wavesX' (target tasks per SM), ':oneround0|1', ':minsplitT' (smallest split, tokens),
     ':blocknN' (tokens per K/V tile), ':fp8blocknN' (an fp8 cache's), ':balfromT' (the default
-    rule's balanced_from_tokens, 0 off), ':chunkoverX' (its split_over_chunk, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
+    rule's balanced_from_tokens, 0 off), ':pdl0|1' (programmatic dependent launch), ':maxregR'
     (registers a thread; 0: the compiler's choice), ':maxregrowsR' (the cap on programs of at
     most R rows only; 0: on every program), ':longblocknN' and ':longfromT' (the tile of tasks
     of at least T tokens; ':longblockn0' none of their own), ':tilerowsR' (a program's query

@@ -115,8 +115,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
                 block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
                 task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
-                split_over_chunk, whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins,
-                n_spread_bins, window_tokens,
+                whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
+                window_tokens,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
                 EDGES: tl.constexpr):
@@ -133,9 +133,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     length), and the step's features, the split rule and the tasks see window tokens only.
     Choice code (POLICY: from the decision table, else `choice`): -2 balanced chunks of about
     total / chunk_target pages, -1 whole rows, n > 0 splits of n pages, 0 the default rule: the
-    split rule's splits when their tasks fit in target_tasks, the split is under
-    balanced_from_tokens (when > 0) and at most split_over_chunk balanced chunks (when > 0),
-    else balanced chunks (info[2] says which: 0 or -2).
+    split rule's splits when their tasks fit in target_tasks and the split is under
+    balanced_from_tokens (when > 0), else balanced chunks (info[2] says which: 0 or -2).
     Task order (split and grouped): every row's splits but its last (all of the split size) in
     row order, then the rows' last splits, longest first; each record's `next` is -1. Balanced:
     record c < info[5] starts chunk c, and each record's `next` links the chunk's further tasks.
@@ -174,14 +173,11 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
                         ONE_ROUND_STEPS)
     split = tl.where(code > 0, code * PAGE_SIZE, split)
     split = tl.where(code < 0, tl.maximum(tl.cdiv(max_len, PAGE_SIZE), 1) * PAGE_SIZE, split)
-    # the default rule: the split rule's tasks when they fit in one round, are short enough and
-    # not much longer than a balanced chunk, else balanced chunks
+    # the default rule: the split rule's tasks when they fit in one round and are short enough,
+    # else balanced chunks
     over = tl.sum(tl.where(active, tl.cdiv(lens, split), 0), axis=0) > target_tasks
     long_split = (balanced_from_tokens > 0) & (split >= balanced_from_tokens)
-    chunk = _chunk_pages(lens, active, chunk_target, min_split_tokens, PAGE_SIZE) * PAGE_SIZE
-    uneven = (split_over_chunk > 0) & (split.to(tl.float32)
-                                       > split_over_chunk * chunk.to(tl.float32))
-    code = tl.where((code == 0) & (over | long_split | uneven), BALANCED, code)
+    code = tl.where((code == 0) & (over | long_split), BALANCED, code)
     mine = offs == row
     my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
     my_start = tl.sum(tl.where(mine, lo, 0), axis=0)
@@ -205,15 +201,6 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
 
 
 @triton.jit
-def _chunk_pages(lens, active, chunk_target, min_split_tokens, PAGE_SIZE: tl.constexpr):
-    """A balanced plan's chunk in pages: the step's pages over chunk_target, at least
-    min_split_tokens."""
-    total_pages = tl.sum(tl.where(active, tl.cdiv(lens, PAGE_SIZE), 0), axis=0)
-    return tl.maximum(tl.cdiv(tl.maximum(min_split_tokens, 1), PAGE_SIZE),
-                      tl.cdiv(total_pages, chunk_target))
-
-
-@triton.jit
 def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity,
                    partial_capacity, chunk_target, min_split_tokens, PAGE_SIZE: tl.constexpr,
                    BLOCK_SPLITS: tl.constexpr):
@@ -223,7 +210,8 @@ def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_ca
     tasks and their partials fit)."""
     pages = tl.where(active, tl.cdiv(lens, PAGE_SIZE), 0)
     total_pages = tl.sum(pages, axis=0)
-    chunk = _chunk_pages(lens, active, chunk_target, min_split_tokens, PAGE_SIZE)
+    chunk = tl.maximum(tl.cdiv(tl.maximum(min_split_tokens, 1), PAGE_SIZE),
+                       tl.cdiv(total_pages, chunk_target))
     off = tl.cumsum(pages, axis=0) - pages
     first_chunk = off // chunk
     segments = tl.where(active, (off + pages - 1) // chunk - first_chunk + 1, 0)
