@@ -151,7 +151,7 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
     rows = next_power_of_2(q_len) * (shape.num_qo_heads // shape.num_kv_heads)
     fp8 = shape.kv_fp8 is not None
     tile = config.tile_shape(tile_rows=rows, kv_fp8=fp8)
-    items = (chunks or info["num_tasks"]) * shape.num_kv_heads * tile["m_blocks"] * tile["d_blocks"]
+    items = (chunks or info["num_tasks"]) * shape.num_kv_heads * config.head_items(tile_rows=rows)
     features = StepFeatures.of(lens, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
                                elem_size=1 if fp8 else 2)
     return StepPlanReport(
