@@ -5,7 +5,8 @@ iterations: the K/V loads are not really pipelined), and counts the SASS instruc
 shared-memory loads LDS and ldmatrix LDSM, shared stores STS, global loads LDG, byte permutes
 PRMT, 16-byte cp.async LDGSTS.128).
 Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90] (without --shape: the presets'
-groups and head dims, one query a row, each with its default config).
+groups and head dims, one query a row, each with its default config). Each kernel is compiled
+afresh, never taken from Triton's cache: a cache may hold binaries alone, without the PTX read here.
 """
 import argparse
 import dataclasses
@@ -20,6 +21,8 @@ from triton.compiler import ASTSource
 
 from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
 from persistentkv.tuning import default_config
+
+triton.knobs.compilation.always_compile = True   # compile afresh: a cache may hold binaries alone
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
             "tasks_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
