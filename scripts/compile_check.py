@@ -22,7 +22,7 @@ from triton.compiler import ASTSource
 from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
 from persistentkv.tuning import default_config
 
-triton.knobs.compilation.always_compile = True   # compile afresh: a cache may hold binaries alone
+triton.knobs.compilation.always_compile = True   # the docstring says why
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
             "tasks_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
