@@ -4,6 +4,7 @@ import json
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from paged_case import ON_GPU
 from persistentkv.bench.adaptive import calibration_steps, evaluation_table
 from persistentkv.bench.backends import (Backend, PersistentKV, PaddedSDPA, PerSequence,
                                          _override_suffix, _pkv_variant, make_backends)
-from persistentkv.bench.results import summarize
+from persistentkv.bench.results import SIGNIFICANT_DIGITS, results_json, summarize
 from persistentkv.bench.runner import Measured, ModelShape, RunOptions, run_static, run_trace
 from persistentkv.bench.traces import make_trace
 from persistentkv.cli import main
@@ -93,6 +94,29 @@ def test_summary_picks_flashinfer_best_per_step():
     best = rows["fi-best"]
     assert best["graph_us_per_layer"] == 3.5                   # median of the per-step best: 4 and 3
     assert abs(rows["pkv-split"]["speedup_graph_vs_fi_best"] - 1.0) < 1e-12
+
+
+def test_results_json_rounds_floats_and_writes_a_row_a_line():
+    rng = np.random.default_rng()
+    steps = [{"case": f"B{i}", "graph_us": float(rng.uniform(1, 5000)), "error": float(rng.uniform(0, 1e-3)),
+              "rows": i, "ok": True, "note": None} for i in range(1, 5)]
+    payload = {"environment": {"device": "cpu", "sm_count": np.int64(132), "shape": {"head_dim": 128}},
+               "summary": [], "steps": steps, "ceiling": np.float32(3.0625), "nan": math.nan}
+    text = results_json(payload)
+    back = json.loads(text)
+    for got, want in zip(back["steps"], steps):
+        for key in ("graph_us", "error"):
+            assert got[key] == float(f"{want[key]:.{SIGNIFICANT_DIGITS}g}")
+            assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key])
+        assert {k: got[k] for k in ("case", "rows", "ok", "note")} == \
+            {k: want[k] for k in ("case", "rows", "ok", "note")}
+    assert back["environment"] == {"device": "cpu", "sm_count": 132, "shape": {"head_dim": 128}}
+    assert '"sm_count": 132,' in text                   # numpy's ints stay ints
+    assert back["ceiling"] == 3.0625 and math.isnan(back["nan"]) and back["summary"] == []
+    lines = text.splitlines()
+    for step in steps:   # each row on one line of its own
+        assert sum(f'"case": "{step["case"]}"' in line for line in lines) == 1
+    assert len(lines) == len(steps) + 12
 
 
 class UncapturableBackend(PerSequence):

@@ -63,7 +63,6 @@ implementation against the number of requests and, when profiled, attention's sh
 from __future__ import annotations
 
 import functools
-import json
 import math
 import sys
 import time
@@ -72,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from .results import environment
+from .results import environment, results_json
 
 def _shape(layers, hidden, inter, hq, hkv, dim, vocab, **extra) -> dict:
     return dict(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
@@ -567,7 +566,7 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
     path = out_dir / f"{tag}.json"
     env = environment(device, command=sys.argv, functional=device.type != "cuda")
     env["transformers"] = transformers_version()
-    path.write_text(json.dumps({"environment": env, "rows": rows}, indent=1) + "\n")
+    path.write_text(results_json({"environment": env, "rows": rows}))
     print(f"wrote {path}")
     plot = plot_e2e(rows, out_dir / f"{tag}.png", title=f"{model_name}, {device.type}")
     print(f"wrote {plot}")

@@ -5,6 +5,7 @@ import csv
 import datetime as dt
 import json
 import math
+import numbers
 import platform
 import statistics
 import subprocess
@@ -115,11 +116,42 @@ def check_out_dir(out_dir: Path) -> None:
         raise ValueError(f"--out {str(out_dir)!r} is a file; it names the folder for the results")
 
 
+SIGNIFICANT_DIGITS = 6   # a result's floats: 0.01 us of a 1000 us step, far under its noise
+
+
+def results_json(payload) -> str:
+    """A results file's text: its floats to SIGNIFICANT_DIGITS digits, each row of a list of rows
+    (dicts or lists) on one line, the rest indented. About 30% fewer bytes than indent=1, and a
+    diff shows which rows changed."""
+    return _layout(_rounded(payload), 0) + "\n"
+
+
+def _rounded(value):
+    if isinstance(value, dict):
+        return {key: _rounded(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):   # int, numpy's ints
+        return int(value)
+    return float(f"{float(value):.{SIGNIFICANT_DIGITS}g}")   # float, numpy's floats
+
+
+def _layout(value, depth: int) -> str:
+    pad = " " * (depth + 1)
+    if isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values()):
+        fields = [f"{pad}{json.dumps(key)}: {_layout(v, depth + 1)}" for key, v in value.items()]
+        return "{\n" + ",\n".join(fields) + "\n" + " " * depth + "}"
+    if isinstance(value, list) and value and all(isinstance(v, (dict, list)) for v in value):
+        return "[\n" + ",\n".join(pad + json.dumps(v) for v in value) + "\n" + " " * depth + "]"
+    return json.dumps(value)
+
+
 def write_results(out_dir: Path, *, env: dict, summary: list[dict], steps: list[dict], tag: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{tag}.json", out_dir / f"{tag}.csv", out_dir / f"{tag}-steps.csv"]
-    paths[0].write_text(json.dumps({"environment": env, "summary": summary, "steps": steps},
-                                   indent=1, default=float) + "\n")
+    paths[0].write_text(results_json({"environment": env, "summary": summary, "steps": steps}))
     for path, rows in ((paths[1], summary), (paths[2], steps)):
         keys = list(dict.fromkeys(k for r in rows for k in r))
         with path.open("w", newline="") as f:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import statistics
 import sys
@@ -14,7 +13,7 @@ import torch
 from ..tuning import KernelConfig
 from .backends import PersistentKV
 from .measure import graph_time_per_layer, kv_bytes_per_layer, reference_output
-from .results import environment
+from .results import environment, results_json
 from .runner import ModelShape, RunOptions, layers_that_fit, make_cache, step_inputs
 from ..reference import TOLERANCE, relative_error
 
@@ -85,6 +84,6 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
         print(f"geomean {gm:7.2f} us: {k}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=False)
-    out_path.write_text(json.dumps({"environment": env, "rows": rows,
-                                    "ranked": [(gm, list(k)) for gm, k in ranked]}, indent=1) + "\n")
+    out_path.write_text(results_json({"environment": env, "rows": rows,
+                                      "ranked": [(gm, list(k)) for gm, k in ranked]}))
     return rows
