@@ -121,8 +121,8 @@ SIGNIFICANT_DIGITS = 6   # a result's floats: 0.01 us of a 1000 us step, far und
 
 def results_json(payload) -> str:
     """A results file's text: its floats to SIGNIFICANT_DIGITS digits, each row of a list of rows
-    (dicts or lists) on one line, the rest indented. About 30% fewer bytes than indent=1, and a
-    diff shows which rows changed."""
+    (dicts or lists) on one line, the rest indented: about a quarter fewer bytes than indent=1
+    (the committed results: 28.7 -> 21.0 MB), and a diff shows which rows changed."""
     return _layout(_rounded(payload), 0) + "\n"
 
 
