@@ -32,9 +32,8 @@ class KernelConfig:
     programs_per_sm: persistent programs per SM of the decode kernel; balanced_from_tokens: the
     default rule plans balanced chunks, not the split rule's tasks, where the split rule's split is
     at least this many tokens (0: only where its tasks overflow a round; schedule.py);
-    one_round: the balanced split
-    grows (by at most schedule.ONE_ROUND_SLACK) until a step's tasks fit in the waves x SMs
-    target, instead of each row's last, partial split overflowing it by up to one task per row
+    one_round: the balanced split grows (by at most schedule.ONE_ROUND_SLACK) until a step's
+    tasks fit in the waves x SMs target, instead of each row's last, partial split overflowing it by up to one task per row
     (schedule.default_split_pages). Together (2 programs per SM, waves 2): one task per program on
     split steps, and four or more rounds of whole rows on large batches; measured best against 3
     programs per SM (which fit with 70 KB of shared memory each) on the H200 grid
