@@ -8,7 +8,7 @@
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
+#                                        longtiles|tp8long|gemma2window|mixwaves|q16floor|tp8small|mblocks|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
 #                                        mblockcross|smallstep|smallsweep|d512cross|largerows|
 #                                        e2e ...]
@@ -79,6 +79,9 @@
 # same cells (FlashInfer's prefill path beside them at 8 queries), once;
 # valueblocks: head dim 512's large 8- and 16-query steps in 64-row programs two to a task's
 # output columns (v38's default) against v37's blocks of 32, with FlashInfer's prefill path, once;
+# mixwaves: the mixed cells of gemma2-9b and llama3-8b with finer work items (waves 3 and 4:
+# more, shorter tasks claimed longest first) and balanced chunks beside the default (v27: gemma2-9b's
+# B8 uniform, B4 uniform and B8 bimodal at 4.15-4.20 TB/s against 4.45 on its uniform long rows), once;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -382,6 +385,15 @@ for step in $steps; do
                              )fi-cuda-core,fi-tensor-core" \
                  --out "$out/gemma2window" --tag gemma2window > "$out/gemma2window/log.txt" 2>&1
                tail -1 "$out/gemma2window/log.txt" ;;
+    mixwaves)  mkdir -p "$out/mixwaves"   # mixed batches: finer work items, balanced chunks
+               for p in gemma2-9b llama3-8b; do
+                 timeout 250 python3 -m persistentkv.cli bench --grid --preset $p \
+                   --cells "B4 uniform,B8 uniform,B8 bimodal,B16 mix,B8 L32K" \
+                   --backends "pkv-auto,pkv-auto:waves3,pkv-auto:waves4,pkv-balanced,$(
+                               )fi-cuda-core,fi-tensor-core" \
+                   --out "$out/mixwaves" --tag "$p" > "$out/mixwaves/$p-log.txt" 2>&1
+                 tail -1 "$out/mixwaves/$p-log.txt"
+               done ;;
     q16floor)  mkdir -p "$out/q16floor"   # gpt-oss, 16 queries a row: the split floor
                for i in $repeats; do   # twice, for the noise
                  timeout 300 python3 -m persistentkv.cli bench --grid --preset gpt-oss --q-len 16 \
