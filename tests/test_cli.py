@@ -39,7 +39,9 @@ from persistentkv.cli import main
     (["explain", "--seq-lens", "100,0"], "seq_lens must be one or more positive lengths"),
     (["explain", "--cell", "B1 L1K", "--q-len", "17"], "q_len must be an int in [1, 16], got 17"),
     (["explain", "--cell", "B1 L1K", "--num-sms", "0"], "num_sms must be >= 1, got 0"),
-    (["explain", "--cell", "B1 L1K", "--backend", "fi-xqa"], "backend must be one of"),
+    (["explain", "--cell", "B1 L1K", "--backend", "fi-xqa"],
+     "backend must be pkv-NAME[@PAGES][:<key><value>...] with NAME one of"),
+    (["explain", "--cell", "B1 L1K", "--backend", "auto"], "(e.g. 'pkv-auto', "),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2

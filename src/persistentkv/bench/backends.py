@@ -448,8 +448,9 @@ def pkv_backend_config(name: str, *, head_dim: int, num_kv_heads: int
     'pkv-auto:minsplit32' -> ('auto', None, the shape's default with min_split_tokens 32)."""
     parsed = _pkv_variant(name)
     if parsed is None:
-        raise ValueError(f"backend must be one of {list(PKV_BACKENDS)} as pkv-NAME[@PAGES]"
-                         f"[:<key><value>...], key one of {list(CONFIG_SUFFIXES)}; got {name!r}")
+        raise ValueError(f"backend must be pkv-NAME[@PAGES][:<key><value>...] with NAME one of "
+                         f"{list(PKV_BACKENDS)} and key one of {list(CONFIG_SUFFIXES)} (e.g. "
+                         f"'pkv-auto', 'pkv-split@16:warps8'); got {name!r}")
     backend, pages, overrides = parsed
     base = default_config(head_dim=head_dim, num_kv_heads=num_kv_heads)
     return backend, pages, _with_overrides(base, overrides, head_dim=head_dim,
