@@ -8,7 +8,7 @@
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|tp8long|gemma2window|mixwaves|q16floor|tp8small|mblocks|
+#                                        longtiles|tp8long|gemma2window|mixwaves|d256chunks|q16floor|tp8small|mblocks|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
 #                                        mblockcross|smallstep|smallsweep|d512cross|largerows|
 #                                        e2e ...]
@@ -82,6 +82,8 @@
 # mixwaves: the mixed cells of gemma2-9b and llama3-8b with finer work items (waves 3 and 4:
 # more, shorter tasks claimed longest first) and balanced chunks beside the default (v27: gemma2-9b's
 # B8 uniform, B4 uniform and B8 bimodal at 4.15-4.20 TB/s against 4.45 on its uniform long rows), once;
+# d256chunks: gemma2-9b's grid with v42's chunks from 2560-token splits (the default) against
+# the rule before (chunks from 16K), twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -393,6 +395,13 @@ for step in $steps; do
                                )fi-cuda-core,fi-tensor-core" \
                    --out "$out/mixwaves" --tag "$p" > "$out/mixwaves/$p-log.txt" 2>&1
                  tail -1 "$out/mixwaves/$p-log.txt"
+               done ;;
+    d256chunks) mkdir -p "$out/d256chunks"   # v42: head dim 256's chunks from 2560-token splits
+               for i in $repeats; do    # (the default) against the rule before (16K), twice
+                 timeout 250 python3 -m persistentkv.cli bench --grid --preset gemma2-9b \
+                   --backends pkv-auto,pkv-auto:balfrom16384,fi-cuda-core,fi-tensor-core \
+                   --out "$out/d256chunks" --tag "gemma2-9b-$i" > "$out/d256chunks/gemma2-9b-$i-log.txt" 2>&1
+                 tail -1 "$out/d256chunks/gemma2-9b-$i-log.txt"
                done ;;
     q16floor)  mkdir -p "$out/q16floor"   # gpt-oss, 16 queries a row: the split floor
                for i in $repeats; do   # twice, for the noise

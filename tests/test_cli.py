@@ -217,3 +217,23 @@ def test_explain_plans_the_step_size_from_its_page_list(capsys):
             ("B32 L8K", "pkv-auto:largerows0", "4 M-blocks of G_PAD 16), 16-token")):
         assert main(["explain", "--cell", cell, "--backend", backend, *d512]) == 0
         assert f"tile: 64 query rows ({text}" in capsys.readouterr().out, (cell, backend)
+
+
+def test_explain_plans_chunks_from_shorter_splits_at_head_dim_256(capsys):
+    """The default rule's chunks start from splits of WIDE_HEAD_BALANCED_FROM_TOKENS at head dims
+    129-256 (tuning.py, v42), 16K elsewhere: B8 uniform's 4816-token splits (132 SMs) are chunks
+    at gemma2-9b's 16/8/256, and splits at 16/8/128 and under ':balfrom16384'; B8 L8K's 2048 stay
+    splits at head dim 256."""
+    from persistentkv.tuning import WIDE_HEAD_BALANCED_FROM_TOKENS, default_config
+
+    assert default_config(head_dim=256, num_kv_heads=8).balanced_from_tokens \
+        == WIDE_HEAD_BALANCED_FROM_TOKENS < 4816
+    for cell, head_dim, backend, choice in (("B8 uniform", "256", "pkv-auto", "choice balanced"),
+                                            ("B8 uniform", "128", "pkv-auto", "choice split"),
+                                            ("B8 uniform", "256", "pkv-auto:balfrom16384",
+                                             "choice split"),
+                                            ("B8 L8K", "256", "pkv-auto", "choice split")):
+        assert main(["explain", "--cell", cell, "--num-qo-heads", "16", "--num-kv-heads", "8",
+                     "--head-dim", head_dim, "--num-sms", "132", "--backend", backend]) == 0
+        assert capsys.readouterr().out.split("\n")[1].strip().startswith(choice), \
+            (cell, head_dim, backend)

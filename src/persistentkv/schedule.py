@@ -37,7 +37,8 @@ fits one round, it measured up to 10% faster than chunks, whose tasks that span 
 after the other in one program (docs/perf-notes.md, v7). Where the split rule's tasks are long
 (16K tokens and up: B4 x 128K, B8 x 128K, B32 x 32K at 8 KV heads), they are one round of fewer
 tasks than programs (B32 x 32K: 256 whole rows on 264 programs), and chunks, one per program,
-measured 0.8-2.0% faster at 32/8 and 64/8 (docs/perf-notes.md, v17).
+measured 0.8-2.0% faster at 32/8 and 64/8 (docs/perf-notes.md, v17). At head dims 129-256
+chunks start from splits of 2560 tokens (tuning.WIDE_HEAD_BALANCED_FROM_TOKENS; v42).
 """
 from __future__ import annotations
 

@@ -19,6 +19,12 @@ LONG_TILE_MAX_ROWS = 16
 # faster, and cost 1-49% on those of 134 MB and more; at head dim 64 (gpt-oss, 8 queries) they
 # lost 1-59% from 8 MB, so not there.
 SMALL_STEP_KV_BYTES_PER_SM = 768 << 10
+# default_config's KernelConfig.balanced_from_tokens at head dims 129-256 (KernelConfig's
+# default, 16K, elsewhere). Measured (v42, H100s, gemma2-9b 16/8/256): chunks from 2048 tokens
+# took B8 bimodal 4% faster (and steady, where its splits moved 2-4% between processes), B4
+# uniform, B8 uniform, B4 L32K, B8 L32K and B32 L8K 0.2-1.2%, B1 L128K the same, and cost B8
+# L8K (splits of 2048) 0.7-1.6%; 2560 keeps B8 L8K on its splits.
+WIDE_HEAD_BALANCED_FROM_TOKENS = 2560
 
 
 @dataclass(frozen=True)
@@ -256,7 +262,8 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
     - Tiles of more than 16 query rows padded to 64 rows, the warp-group MMA's, up to head dim 128
       (v32); past it the padded tile spills (v33).
     - Head dim 129-256 (Gemma-2): 32-token tiles; programs of at most 16 rows capped at 224
-      registers, where the compiler's 168 spill (v34).
+      registers, where the compiler's 168 spill (v34); balanced chunks from splits of
+      WIDE_HEAD_BALANCED_FROM_TOKENS (v42).
     - Head dim 257-512: 16-token tiles (32 spill, v10), splits of at least 32 tokens (v33), tiles
       past 16 rows in M-blocks of 16 (v34); large steps run tiles of 64 rows or more as 64-row
       programs, two value blocks of a task's columns at two stages (v37, v38).
@@ -269,7 +276,8 @@ def default_config(*, head_dim: int, num_kv_heads: int) -> KernelConfig:
                             value_blocks=2, value_block_stages=2)
     if head_dim > 128:
         return KernelConfig(block_n=32, min_tile_rows=16, max_registers=224, max_registers_rows=16,
-                            small_step_kv_bytes_per_sm=small)
+                            small_step_kv_bytes_per_sm=small,
+                            balanced_from_tokens=WIDE_HEAD_BALANCED_FROM_TOKENS)
     if head_dim <= 64 and num_kv_heads >= 4:
         return KernelConfig(block_n=64, fp8_block_n=128, long_block_n=128, long_from_tokens=1024,
                             small_step_kv_bytes_per_sm=small)
