@@ -8,7 +8,8 @@
 #                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|tp8long|gemma2window|mixwaves|d256chunks|q16floor|tp8small|mblocks|
+#                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
+#                                        mixwaves|d256chunks|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
 #                                        mblockcross|smallstep|smallsweep|d512cross|largerows|
 #                                        e2e ...]
@@ -80,8 +81,8 @@
 # valueblocks: head dim 512's large 8- and 16-query steps in 64-row programs two to a task's
 # output columns (v38's default) against v37's blocks of 32, with FlashInfer's prefill path, once;
 # mixwaves: the mixed cells of gemma2-9b and llama3-8b with finer work items (waves 3 and 4:
-# more, shorter tasks claimed longest first) and balanced chunks beside the default (v27: gemma2-9b's
-# B8 uniform, B4 uniform and B8 bimodal at 4.15-4.20 TB/s against 4.45 on its uniform long rows), once;
+# more, shorter tasks claimed longest first) and balanced chunks beside the default, once (v42,
+# H100: finer items lost 1-18%, chunks tied or won at gemma2-9b);
 # d256chunks: gemma2-9b's grid with v42's chunks from 2560-token splits (the default) against
 # the rule before (chunks from 16K), twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
