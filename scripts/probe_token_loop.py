@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from persistentkv.kernels.decode import _attend_range
+from persistentkv.kernels.decode import Features, Strides, Tile, _attend_range
 
 PAGE, HEAD_DIM, TOKENS = 16, 128, 8192
 # (fp8, V transposed (HND_VT), mode, block_n, warps, stages, programs an SM)
@@ -38,9 +38,16 @@ def token_loop(q_ptr, k_ptr, v_ptr, idx_ptr, out_ptr, zero, ntok, stride_page, s
     q = tl.load(q_ptr + pid * G_PAD * D + om[:, None] * D + od[None, :], mask=rows, other=0.0)
     page_start = (pid * (ntok // PS) + zero).to(tl.int64)
     if MODE == 0:
+        strides = Strides(0, 0, 0, 0, stride_page, 0, stride_tok, 0)   # the pool's only
+        tile: tl.constexpr = Tile(NUM_KV_HEADS=1, GROUP=4, Q_PAD=1, G_PAD=G_PAD, HEAD_DIM=D,
+                                  D_PAD=D, PAGE_SIZE=PS, BLOCK_N=BLOCK_N, BLOCK_N_LONG=0,
+                                  LONG_FROM=0, G_MERGE=4, M_BLOCKS=1, D_BLOCKS=1)
+        feat: tl.constexpr = Features(RETURN_LSE=False, UPCAST=False, WINDOW=False,
+                                      SOFT_CAP=False, SINKS=False, KV_FP8=FP8,
+                                      TOKEN_SCALES=False, V_T=V_T)
         acc, m, l = _attend_range(q, k_ptr, v_ptr, k_ptr, idx_ptr, page_start, zero, ntok, om, om,
-                                  stride_page, stride_tok, od, od < D, 0.127, 1.0, G_PAD, D, PS,
-                                  BLOCK_N, False, False, False, False, FP8, False, 1, V_T)
+                                  od, od < D, od, od < D, 0.127, 1.0, strides, tile, feat,
+                                  BLOCK_N)
         o = acc / tl.where(om < 4, l, 1.0)[:, None]
     else:
         o = tl.zeros([G_PAD, D], tl.float32)

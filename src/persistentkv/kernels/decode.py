@@ -11,6 +11,8 @@ several tasks writes normalized partials (o, lse) that merge.py combines.
 Grid: (programs,), persistent: each program runs one item, then the rest of its chunk (a balanced
 plan) or the items it claims from a counter (a split or grouped step of more than one round).
 """
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
@@ -21,6 +23,87 @@ from .softmax import online_softmax_step
 ONE_LEVEL_SPLITS = tl.constexpr(16)   # rows of more splits merge in two levels (_merge_split)
 LOG2_E = tl.constexpr(1.4426950408889634)
 HW_TANH = tl.constexpr(not interpreting())   # _tanh: the hardware instruction, off the interpreter
+
+
+class Task(NamedTuple):
+    """One planner record (kernels/plan.py): tokens [tok_lo, tok_hi) of row `row`, split `split`
+    of the row's num_splits; the row's pages from indices[page_start]; its partials from slot
+    slot_start (-1: the row is this one task)."""
+    row: tl.tensor
+    split: tl.tensor
+    tok_lo: tl.tensor
+    tok_hi: tl.tensor
+    page_start: tl.tensor
+    slot_start: tl.tensor
+    num_splits: tl.tensor
+
+
+class Buffers(NamedTuple):
+    """paged_decode_kernel's pointer arguments, less the plan's own (tasks, info)."""
+    q: tl.tensor
+    k: tl.tensor
+    v: tl.tensor
+    out: tl.tensor
+    lse: tl.tensor
+    indices: tl.tensor
+    qo_indptr: tl.tensor
+    sinks: tl.tensor
+    kv_scales: tl.tensor
+    part_o: tl.tensor
+    part_lse: tl.tensor
+    counters: tl.tensor
+    row_lens: tl.tensor
+
+
+class Strides(NamedTuple):
+    """Element strides: q's and out's rows and heads; the pool's pages, heads, tokens and K -> V."""
+    qb: tl.tensor
+    qh: tl.tensor
+    ob: tl.tensor
+    oh: tl.tensor
+    page: tl.tensor
+    head: tl.tensor
+    tok: tl.tensor
+    kv: tl.tensor
+
+
+class Scalars(NamedTuple):
+    """The step's runtime scalars (paged_decode_kernel's arguments of the same names)."""
+    k_scale: tl.tensor
+    v_scale: tl.tensor
+    scale_log2: tl.tensor
+    num_q_rows: tl.tensor
+    window_left: tl.tensor
+    soft_cap: tl.tensor
+
+
+class Tile(NamedTuple):
+    """The tile's compile-time shape (decode_constexprs' fields of the same names)."""
+    NUM_KV_HEADS: tl.constexpr
+    GROUP: tl.constexpr
+    Q_PAD: tl.constexpr
+    G_PAD: tl.constexpr
+    HEAD_DIM: tl.constexpr
+    D_PAD: tl.constexpr
+    PAGE_SIZE: tl.constexpr
+    BLOCK_N: tl.constexpr
+    BLOCK_N_LONG: tl.constexpr
+    LONG_FROM: tl.constexpr
+    G_MERGE: tl.constexpr
+    M_BLOCKS: tl.constexpr
+    D_BLOCKS: tl.constexpr
+
+
+class Features(NamedTuple):
+    """What the kernel computes, each off unless set (decode_constexprs' fields of these names)."""
+    RETURN_LSE: tl.constexpr
+    UPCAST: tl.constexpr
+    WINDOW: tl.constexpr
+    SOFT_CAP: tl.constexpr
+    SINKS: tl.constexpr
+    KV_FP8: tl.constexpr
+    TOKEN_SCALES: tl.constexpr
+    V_T: tl.constexpr
 
 
 @triton.jit
@@ -49,26 +132,31 @@ def _whole_pages(start, offs_n, tok_hi, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
-                  lower, stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
-                  soft_cap, G_PAD: tl.constexpr, DV_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                  SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
-                  TOKEN_SCALES: tl.constexpr, SCALE_KV: tl.constexpr, V_T: tl.constexpr):
+                  lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap, strides, tile,
+                  feat, BLOCK_N: tl.constexpr):
     """Unnormalized state (acc [G_PAD, DV_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi):
-    the scores from all of q and K (offs_d), the output's columns offs_dv of V (DV_PAD of them).
+    the scores from all of q and K (offs_d), the output's columns offs_dv of V (DV_PAD of them:
+    the tile's D_PAD over its D_BLOCKS), in tiles of BLOCK_N tokens (strides: Strides, tile: Tile,
+    feat: Features).
 
     V_T: each (page, head) block of V holds V transposed (the HND_VT layout: V[s, d] at
     d * PAGE_SIZE + s), read with a page's tokens contiguous. It relies on tok_lo being a whole
     page (the planner cuts at pages) and PAGE_SIZE a power of two (the layout's check), so that
     a tile's slots are known from its offsets.
 
-    CAUSAL: tile row r sees positions <= limit[r] only; WINDOW: positions >= lower[r] only.
+    CAUSAL (several queries a row): tile row r sees positions <= limit[r] only;
+    WINDOW: positions >= lower[r] only.
     KV_FP8: K/V are e4m3, converted to q's dtype per tile; TOKEN_SCALES: each token's K and V
     rows have their own scale (scales fp32 [pages, 2, Hkv, PAGE_SIZE], scales_base at this KV
-    head's K scales, V's SCALE_KV further).
+    head's K scales, V's NUM_KV_HEADS x PAGE_SIZE further).
     SOFT_CAP: scores s = soft_cap * tanh(s / soft_cap) (s = sm_scale * q.k). A hidden score is
     -1e30, not -inf, so that a tile hiding a whole row stays finite; a row that sees none of
     [tok_lo, tok_hi) holds garbage, which the caller drops (its lse is set to -inf)."""
+    G_PAD: tl.constexpr = tile.G_PAD
+    DV_PAD: tl.constexpr = tile.D_PAD // tile.D_BLOCKS
+    PAGE_SIZE: tl.constexpr = tile.PAGE_SIZE
+    SCALE_KV: tl.constexpr = tile.NUM_KV_HEADS * tile.PAGE_SIZE
+    CAUSAL: tl.constexpr = tile.Q_PAD > 1   # several queries a row
     acc = tl.zeros([G_PAD, DV_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -76,29 +164,29 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     # Each tile's page indices are loaded one iteration ahead: K/V addresses then never wait on an
     # index load of their own iteration, and the compiler pipelines the K/V loads num_stages - 1
     # tiles deep (with the index load inside the iteration it could only wait for all of them).
-    if V_T:   # tasks start at whole pages: tell the compiler, so that it sees a page's slots
+    if feat.V_T:   # tasks start at whole pages: tell the compiler, so that it sees a page's slots
         tok_lo = tl.multiple_of(tok_lo, PAGE_SIZE)
-    if V_T:
+    if feat.V_T:
         pages, in_pages = _whole_pages(tok_lo, offs_n, tok_hi, PAGE_SIZE)
     else:
         tok = tok_lo + offs_n
         pages, in_pages = tok // PAGE_SIZE, tok < tok_hi
     page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
-        if V_T:
+        if feat.V_T:
             start = tl.multiple_of(start, PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N)
         tok = start + offs_n
         valid = tok < tok_hi
-        offs = page.to(tl.int64) * stride_page + (tok % PAGE_SIZE).to(tl.int64) * stride_tok  # [N]
-        if TOKEN_SCALES:          # the tile's scale slots, from its page (before `page` moves on)
+        offs = page.to(tl.int64) * strides.page + (tok % PAGE_SIZE).to(tl.int64) * strides.tok
+        if feat.TOKEN_SCALES:     # the tile's scale slots, from its page (before `page` moves on)
             s_off = page.to(tl.int64) * (2 * SCALE_KV) + tok % PAGE_SIZE                    # [N]
-        if V_T:   # V's column in its page, with the slots in a form the compiler sees contiguous
+        if feat.V_T:   # V's column in its page, with slots in a form the compiler sees contiguous
             if BLOCK_N >= PAGE_SIZE:      # the tile is whole pages
                 slot = offs_n % PAGE_SIZE
             else:                         # the tile lies BLOCK_N-aligned inside one page
                 slot = tl.multiple_of(start % PAGE_SIZE, BLOCK_N) + offs_n
-            v_offs = page.to(tl.int64) * stride_page + slot.to(tl.int64)                   # [N]
-        if V_T:
+            v_offs = page.to(tl.int64) * strides.page + slot.to(tl.int64)                   # [N]
+        if feat.V_T:
             pages, in_pages = _whole_pages(start + BLOCK_N, offs_n, tok_hi, PAGE_SIZE)
         else:
             nxt = tok + BLOCK_N
@@ -106,7 +194,7 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
         page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if V_T:   # whole pages: the slots of a row's last page past its length are read too
+        if feat.V_T:   # whole pages: the slots of a row's last page past its length are read too
             v_rows = _whole_pages(start, offs_n, tok_hi, PAGE_SIZE)[1]                 # (finite:
             v = tl.load(v_base + v_offs[:, None] + offs_dv[None, :] * PAGE_SIZE,    # the layout's
                         mask=v_rows[:, None] & dv_mask[None, :], other=0.0)         # contract)
@@ -114,29 +202,29 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
             v = tl.load(v_base + offs[:, None] + offs_dv[None, :],
                         mask=valid[:, None] & dv_mask[None, :], other=0.0)
         v_sc = 1.0
-        if TOKEN_SCALES:
+        if feat.TOKEN_SCALES:
             k_sc = tl.load(scales_base + s_off, mask=valid, other=0.0)                     # [N]
             v_sc = tl.load(scales_base + SCALE_KV + s_off, mask=valid, other=0.0)          # [N]
-        if UPCAST:
+        if feat.UPCAST:
             scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             v = v.to(tl.float32)
-        elif KV_FP8:
+        elif feat.KV_FP8:
             scores = tl.dot(q, tl.trans(k.to(q.dtype)))
             v = v.to(q.dtype)
         else:
             scores = tl.dot(q, tl.trans(k))
-        if TOKEN_SCALES:
+        if feat.TOKEN_SCALES:
             scores = scores * k_sc[None, :]
-        if SOFT_CAP:   # base 2: soft_cap * log2(e) * tanh(sm_scale * q.k / soft_cap)
+        if feat.SOFT_CAP:   # base 2: soft_cap * log2(e) * tanh(sm_scale * q.k / soft_cap)
             scores = (soft_cap * LOG2_E) * _tanh(scores * (scale_log2 / (LOG2_E * soft_cap)))
         else:
             scores = scores * scale_log2
         if CAUSAL:
             scores = tl.where(tok[None, :] <= limit[:, None], scores, -1e30)
-        if WINDOW:
+        if feat.WINDOW:
             scores = tl.where(tok[None, :] >= lower[:, None], scores, -1e30)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v, v_sc, TOKEN_SCALES)
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v, v_sc, feat.TOKEN_SCALES)
     return acc, m_i, l_i
 
 
@@ -152,95 +240,82 @@ def _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh,
 
 
 @triton.jit
-def _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start, num_splits,
-                 q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
-                 sinks_ptr, kv_scales_ptr, k_scale, v_scale,
-                 out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
-                 stride_qb, stride_qh, stride_ob, stride_oh,
-                 stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
-                 window_left, soft_cap,
-                 NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
-                 G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
-                 RETURN_LSE: tl.constexpr, UPCAST: tl.constexpr, WINDOW: tl.constexpr,
-                 SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
-                 TOKEN_SCALES: tl.constexpr, V_T: tl.constexpr, BLOCK_N_LONG: tl.constexpr,
-                 LONG_FROM: tl.constexpr, M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr):
-    """One (row, KV head, split) task for head item head_item (_item_blocks: a KV head, the
+def _decode_task(task, head_item, buffers, strides, scalars, tile, feat):
+    """One (row, KV head, split) task (Task) for head item head_item (_item_blocks: a KV head, the
     M-block of its tile rows and the value block of its output columns); the last split of a
-    row to finish merges the row's block.
+    row to finish merges the row's block. buffers: Buffers, strides: Strides, scalars: Scalars,
+    tile: Tile, feat: Features.
 
     Tile row m (of M-block b: m = b * G_PAD + i) is query token m // GROUP of the row (its
     qo_indptr range; 1 without Q_PAD > 1) and query head kv_head * GROUP + m % GROUP. Positions
     are the planner's: from the first page it kept of the row (a window drops the pages before
     it), row_lens[row] of them."""
-    NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
-    DV_PAD: tl.constexpr = D_PAD // D_BLOCKS
-    kv_head, m_block, d_block = _item_blocks(head_item, M_BLOCKS, D_BLOCKS)
+    GROUP: tl.constexpr = tile.GROUP
+    G_PAD: tl.constexpr = tile.G_PAD
+    NUM_QO_HEADS: tl.constexpr = tile.NUM_KV_HEADS * GROUP
+    DV_PAD: tl.constexpr = tile.D_PAD // tile.D_BLOCKS
+    tok_lo, tok_hi = task.tok_lo, task.tok_hi
+    kv_head, m_block, d_block = _item_blocks(head_item, tile.M_BLOCKS, tile.D_BLOCKS)
     offs_m = m_block * G_PAD + tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tl.arange(0, tile.D_PAD)
     offs_dv = d_block * DV_PAD + tl.arange(0, DV_PAD)       # this program's output columns
-    q_start, n_q, limit = _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP, Q_PAD,
-                                       WINDOW)
-    lower = limit - window_left   # WINDOW: the first position each tile row sees
-    g_mask = _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP, Q_PAD)
-    d_mask = offs_d < HEAD_DIM
-    dv_mask = offs_dv < HEAD_DIM
+    q_start, n_q, limit = _row_queries(task.row, offs_m, buffers.qo_indptr, buffers.row_lens,
+                                       GROUP, tile.Q_PAD, feat.WINDOW)
+    lower = limit - scalars.window_left   # WINDOW: the first position each tile row sees
+    g_mask = _query_mask(offs_m, q_start, n_q, scalars.num_q_rows, GROUP, tile.Q_PAD)
+    d_mask = offs_d < tile.HEAD_DIM
+    dv_mask = offs_dv < tile.HEAD_DIM
     mask = g_mask[:, None] & dv_mask[None, :]
     heads = kv_head * GROUP + offs_m % GROUP                                           # [G_PAD]
     q_rows = q_start + offs_m // GROUP                                                 # [G_PAD]
-    q = tl.load(q_ptr + q_rows.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh
-                + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G_PAD, D]
-    if UPCAST:
+    q = tl.load(buffers.q + q_rows.to(tl.int64)[:, None] * strides.qb
+                + heads[:, None] * strides.qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)                   # [G_PAD, D]
+    if feat.UPCAST:
         q = q.to(tl.float32)
-    head_off = kv_head * stride_head  # < H * S * D: int32 is enough
-    if KV_FP8:                              # a per-tensor K scale folds into the score scale
-        scale_log2 = scale_log2 * k_scale
-    k_head, v_head = k_ptr + head_off, v_ptr + stride_kv + head_off
-    scales_head, pages = kv_scales_ptr + kv_head * PAGE_SIZE, page_start.to(tl.int64)
-    CAUSAL: tl.constexpr = Q_PAD > 1
-    SCALE_KV: tl.constexpr = NUM_KV_HEADS * PAGE_SIZE
-    if BLOCK_N_LONG > 0:       # a task of at least LONG_FROM tokens reads tiles of BLOCK_N_LONG
-        if tok_hi - tok_lo >= LONG_FROM:
+    head_off = kv_head * strides.head  # < H * S * D: int32 is enough
+    scale_log2 = scalars.scale_log2
+    if feat.KV_FP8:                         # a per-tensor K scale folds into the score scale
+        scale_log2 = scale_log2 * scalars.k_scale
+    k_head, v_head = buffers.k + head_off, buffers.v + strides.kv + head_off
+    scales_head = buffers.kv_scales + kv_head * tile.PAGE_SIZE
+    pages = task.page_start.to(tl.int64)
+    if tile.BLOCK_N_LONG > 0:  # a task of at least LONG_FROM tokens reads tiles of BLOCK_N_LONG
+        if tok_hi - tok_lo >= tile.LONG_FROM:
             acc, m_i, l_i = _attend_range(
-                q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
-                stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
-                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N_LONG, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8,
-                TOKEN_SCALES, SCALE_KV, V_T)
+                q, k_head, v_head, scales_head, buffers.indices, pages, tok_lo, tok_hi, limit,
+                lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, scalars.soft_cap, strides,
+                tile, feat, tile.BLOCK_N_LONG)
         else:
             acc, m_i, l_i = _attend_range(
-                q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
-                stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
-                G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8,
-                TOKEN_SCALES, SCALE_KV, V_T)
+                q, k_head, v_head, scales_head, buffers.indices, pages, tok_lo, tok_hi, limit,
+                lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, scalars.soft_cap, strides,
+                tile, feat, tile.BLOCK_N)
     else:
         acc, m_i, l_i = _attend_range(
-            q, k_head, v_head, scales_head, indices_ptr, pages, tok_lo, tok_hi, limit, lower,
-            stride_page, stride_tok, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
-            G_PAD, DV_PAD, PAGE_SIZE, BLOCK_N, CAUSAL, WINDOW, SOFT_CAP, UPCAST, KV_FP8,
-            TOKEN_SCALES, SCALE_KV, V_T)
+            q, k_head, v_head, scales_head, buffers.indices, pages, tok_lo, tok_hi, limit, lower,
+            offs_d, d_mask, offs_dv, dv_mask, scale_log2, scalars.soft_cap, strides, tile, feat,
+            tile.BLOCK_N)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
-    if KV_FP8:                              # and a per-tensor V scale into the output
-        o = o * v_scale
+    if feat.KV_FP8:                         # and a per-tensor V scale into the output
+        o = o * scalars.v_scale
     lse2 = m_i + tl.math.log2(l_safe)
-    if (Q_PAD > 1) | WINDOW:                # a query that sees none of this task's tokens
+    if (tile.Q_PAD > 1) | feat.WINDOW:      # a query that sees none of this task's tokens
         seen = limit >= tok_lo
-        if WINDOW:
+        if feat.WINDOW:
             seen = seen & (lower < tok_hi)
         lse2 = tl.where(seen, lse2, float("-inf"))
         o = tl.where(seen[:, None], o, 0.0)
-    if SINKS:                               # the row's first split counts each head's sink once
-        o, lse2 = _add_sink(o, lse2, sinks_ptr, heads, g_mask & (split == 0))
-    if slot_start < 0:                      # the row is one task: write the output directly
-        _store_final(o, lse2, q_rows, heads, out_ptr, lse_ptr, stride_ob, stride_oh, offs_dv,
-                     mask, g_mask, NUM_QO_HEADS, RETURN_LSE)
+    if feat.SINKS:                          # the row's first split counts each head's sink once
+        o, lse2 = _add_sink(o, lse2, buffers.sinks, heads, g_mask & (task.split == 0))
+    if task.slot_start < 0:                 # the row is one task: write the output directly
+        _store_final(o, lse2, q_rows, heads, buffers.out, buffers.lse, strides.ob, strides.oh,
+                     offs_dv, mask, g_mask, NUM_QO_HEADS, feat.RETURN_LSE)
     else:                                   # write the partial; the task completing them merges
-        _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q,
-                     num_q_rows, offs_m // GROUP * NUM_QO_HEADS + heads, offs_dv, mask, g_mask,
-                     dv_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, stride_ob,
-                     stride_oh, NUM_KV_HEADS, GROUP, Q_PAD, HEAD_DIM, DV_PAD, G_MERGE, RETURN_LSE,
-                     M_BLOCKS, D_BLOCKS)
+        _merge_split(o, lse2, task, head_item, q_start, n_q, offs_m // GROUP * NUM_QO_HEADS + heads,
+                     offs_dv, mask, g_mask, dv_mask, buffers, strides, scalars.num_q_rows, tile,
+                     feat)
 
 
 @triton.jit
@@ -321,15 +396,10 @@ def _store_partial(o, lse2, slot, part_rows, offs_d, mask, g_mask, part_o_ptr, p
 
 
 @triton.jit
-def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q, num_q_rows,
-                 part_rows,
-                 offs_d, mask, g_mask, d_mask, out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-                 counters_ptr, stride_ob, stride_oh, NUM_KV_HEADS: tl.constexpr,
-                 GROUP: tl.constexpr, Q_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 D_PAD: tl.constexpr, G_MERGE: tl.constexpr, RETURN_LSE: tl.constexpr,
-                 M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr):
-    """Write split `split`'s partial to slot slot_start + split; the task that completes a row's
-    partials merges them. A row of more than ONE_LEVEL_SPLITS splits S merges in two levels of
+def _merge_split(o, lse2, task, head_item, q_start, n_q, part_rows, offs_d, mask, g_mask, d_mask,
+                 buffers, strides, num_q_rows, tile, feat):
+    """Write the task's partial (split `split` of the row's num_splits: Task) to slot slot_start +
+    split; the task that completes a row's partials merges them. A row of more than ONE_LEVEL_SPLITS splits S merges in two levels of
     about sqrt(S) partials each, not one of S (one program's merge is a chain of memory round
     trips): each group of ceil(sqrt(S)) splits is merged by the task completing it into the
     group's first slot, and the task completing the groups merges those. Counters (int32
@@ -344,13 +414,23 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
     Partial outputs are kept in the output's dtype (fp16/bf16: half the bytes the merge reads;
     in the first half of the fp32 workspace; v26 measured 5-13% off the small multi-token steps)
     and merged in fp32; their lse in fp32."""
+    split, slot_start, num_splits = task.split, task.slot_start, task.num_splits
+    part_o_ptr, part_lse_ptr, counters_ptr = buffers.part_o, buffers.part_lse, buffers.counters
+    NUM_KV_HEADS: tl.constexpr = tile.NUM_KV_HEADS
+    GROUP: tl.constexpr = tile.GROUP
+    Q_PAD: tl.constexpr = tile.Q_PAD
+    HEAD_DIM: tl.constexpr = tile.HEAD_DIM
+    G_MERGE: tl.constexpr = tile.G_MERGE
+    D_PAD: tl.constexpr = tile.D_PAD // tile.D_BLOCKS     # this value block's columns (offs_d)
+    M_BLOCKS: tl.constexpr = tile.M_BLOCKS
+    D_BLOCKS: tl.constexpr = tile.D_BLOCKS
     NUM_QO_HEADS: tl.constexpr = NUM_KV_HEADS * GROUP
     SLOT_ROWS: tl.constexpr = Q_PAD * NUM_QO_HEADS
     LSE_SLOT_ROWS: tl.constexpr = SLOT_ROWS * D_BLOCKS
     HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS * D_BLOCKS
     kv_head, m_block, d_block = _item_blocks(head_item, M_BLOCKS, D_BLOCKS)
     part_lse_ptr += d_block * SLOT_ROWS          # this value block's lse rows of each slot
-    part_o_ptr = part_o_ptr.to(tl.pointer_type(out_ptr.dtype.element_ty))
+    part_o_ptr = part_o_ptr.to(tl.pointer_type(buffers.out.dtype.element_ty))
     _store_partial(o, lse2, slot_start + split, part_rows, offs_d, mask, g_mask, part_o_ptr,
                    part_lse_ptr, SLOT_ROWS, LSE_SLOT_ROWS, HEAD_DIM)
     offs_m = m_block * G_MERGE + tl.arange(0, G_MERGE)
@@ -384,20 +464,21 @@ def _merge_split(o, lse2, head_item, split, slot_start, num_splits, q_start, n_q
             o_row, lse_row = merge_partials(part_o_ptr, part_lse_ptr, slot_start.to(tl.int64),
                                             count, stride, merge_rows, m_mask, offs_d, d_mask,
                                             SLOT_ROWS, LSE_SLOT_ROWS, G_MERGE, HEAD_DIM, D_PAD)
-            _store_final(o_row, lse_row, q_start + offs_m // GROUP, merge_heads, out_ptr,
-                         lse_ptr, stride_ob, stride_oh, offs_d, merge_mask, m_mask, NUM_QO_HEADS,
-                         RETURN_LSE)
+            _store_final(o_row, lse_row, q_start + offs_m // GROUP, merge_heads, buffers.out,
+                         buffers.lse, strides.ob, strides.oh, offs_d, merge_mask, m_mask,
+                         NUM_QO_HEADS, feat.RETURN_LSE)
 
 
 @triton.jit
 def _load_task(tasks_ptr, record, valid):
-    """Task record -> (row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, next)
-    (independent loads from one 32-byte record); zeros where not valid."""
+    """Task record -> (Task, the record of the next task in its chunk or -1): independent loads
+    from one 32-byte record; zeros (and -1) where not valid."""
     rec = tasks_ptr + record.to(tl.int64) * 8
-    return (tl.load(rec, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
-            tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
-            tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
-            tl.load(rec + 6, mask=valid, other=0), tl.load(rec + 7, mask=valid, other=-1))
+    task = Task(tl.load(rec, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
+                tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
+                tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
+                tl.load(rec + 6, mask=valid, other=0))
+    return task, tl.load(rec + 7, mask=valid, other=-1)
 
 
 @triton.jit(do_not_specialize=["num_q_rows", "window_left"])
@@ -443,12 +524,21 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     if PDL:
         tl.extra.cuda.gdc_wait()
     HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS * D_BLOCKS
+    buffers = Buffers(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
+                      kv_scales_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr)
+    strides = Strides(stride_qb, stride_qh, stride_ob, stride_oh, stride_page, stride_head,
+                      stride_tok, stride_kv)
+    scalars = Scalars(k_scale, v_scale, scale_log2, num_q_rows, window_left, soft_cap)
+    # constexpr tuples stay compile-time only when annotated so
+    tile: tl.constexpr = Tile(NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE,
+                              BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS)
+    feat: tl.constexpr = Features(RETURN_LSE, UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8,
+                                  TOKEN_SCALES, V_T)
     programs = tl.num_programs(0)
     item = tl.program_id(0)
     head_item = item % HEAD_ITEMS
     # the first task record loads beside the task count, not after it
-    row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
-        tasks_ptr, item // HEAD_ITEMS, True)
+    task, nxt = _load_task(tasks_ptr, item // HEAD_ITEMS, True)
     num_items = tl.load(info_ptr) * HEAD_ITEMS
     chained = tl.load(info_ptr + 5) * HEAD_ITEMS
     if (chained > 0) | (num_items <= programs):
@@ -456,47 +546,18 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         # claims. The first item is straight-line code: measured 0.6-1.0 us faster per launch on
         # small steps than a loop run once.
         if item < tl.where(chained > 0, chained, num_items):
-            _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
-                         sinks_ptr, kv_scales_ptr, k_scale, v_scale,
-                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
-                         stride_qb, stride_qh, stride_ob, stride_oh,
-                         stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
-                         window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
-                         D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
-                         LONG_FROM, M_BLOCKS, D_BLOCKS)
+            _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
-                row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
-                    tasks_ptr, nxt, True)
-                _decode_task(row, head_item, split, tok_lo, tok_hi, page_start, slot_start,
-                             num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
-                             sinks_ptr, kv_scales_ptr, k_scale, v_scale,
-                             out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
-                             stride_qb, stride_qh, stride_ob, stride_oh,
-                             stride_page, stride_head, stride_tok, stride_kv, scale_log2,
-                             num_q_rows, window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD,
-                             G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE,
-                             UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T,
-                             BLOCK_N_LONG, LONG_FROM, M_BLOCKS, D_BLOCKS)
+                task, nxt = _load_task(tasks_ptr, nxt, True)
+                _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
-            _decode_task(row, item % HEAD_ITEMS, split, tok_lo, tok_hi, page_start, slot_start,
-                         num_splits, q_ptr, k_ptr, v_ptr, indices_ptr, qo_indptr_ptr,
-                         sinks_ptr, kv_scales_ptr, k_scale, v_scale,
-                         out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
-                         stride_qb, stride_qh, stride_ob, stride_oh,
-                         stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
-                         window_left, soft_cap, NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM,
-                         D_PAD, PAGE_SIZE, BLOCK_N, G_MERGE, RETURN_LSE, UPCAST, WINDOW,
-                         SOFT_CAP, SINKS, KV_FP8, TOKEN_SCALES, V_T, BLOCK_N_LONG,
-                         LONG_FROM, M_BLOCKS, D_BLOCKS)
+            _decode_task(task, item % HEAD_ITEMS, buffers, strides, scalars, tile, feat)
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
-            row, split, tok_lo, tok_hi, page_start, slot_start, num_splits, nxt = _load_task(
-                tasks_ptr, item // HEAD_ITEMS, item < num_items)
+            task, nxt = _load_task(tasks_ptr, item // HEAD_ITEMS, item < num_items)
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
