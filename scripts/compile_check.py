@@ -3,13 +3,15 @@ catches compile errors the interpreter does not, and reports registers, spills, 
 cp.async use and the deepest `cp.async.wait_group` (0 means no tile is kept in flight across
 iterations: the K/V loads are not really pipelined), and counts the SASS instructions (all,
 shared-memory loads LDS and ldmatrix LDSM, shared stores STS, global loads LDG, byte permutes
-PRMT, 16-byte cp.async LDGSTS.128).
+PRMT, 16-byte cp.async LDGSTS.128), with a digest of the SASS instructions (equal digests before and
+after a change: the change left the compiled kernel as it was).
 Run: PYTHONPATH=src python scripts/compile_check.py [--arch 90] (without --shape: the presets'
 groups and head dims, one query a row, each with its default config). Each kernel is compiled
 afresh, never taken from Triton's cache: a cache may hold binaries alone, without the PTX read here.
 """
 import argparse
 import dataclasses
+import hashlib
 import os
 import re
 import subprocess
@@ -80,14 +82,24 @@ def resource_usage(cubin: bytes) -> str:
     return f"{regs.group(1) if regs else '?'} registers, stack {stack.group(1) if stack else '?'} B"
 
 
-def _sass_ops(cubin: bytes) -> list[str]:
+def _sass(cubin: bytes) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True,
+        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+
+
+def _sass_ops(cubin: bytes) -> list[str]:
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", _sass(cubin))
+
+
+def sass_digest(cubin: bytes) -> str:
+    """The first 10 hex digits of a SHA-256 of the SASS instructions with their operands (no
+    addresses, no encodings)."""
+    text = "\n".join(re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", _sass(cubin)))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def before_wait(cubin: bytes) -> str:
@@ -167,7 +179,8 @@ def main():
         print(f"group {group:2d} d {head_dim:3d} queries {queries:2d} {'+'.join(variants)}: "
               f"{resource_usage(k.asm['cubin'])}, {k.metadata.shared} B shared, "
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
-              f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}"
+              f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}; "
+              f"SASS {sass_digest(k.asm['cubin'])}"
               + (f"; {before_wait(k.asm['cubin'])}" if "pdl" in variants else ""))
 
 
