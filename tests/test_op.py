@@ -1,4 +1,6 @@
 """The registered op: torch.library.opcheck, and torch.compile(fullgraph=True) through run()."""
+import re
+
 import pytest
 import torch
 
@@ -79,3 +81,37 @@ def test_compiled_run_refuses_out_and_lse():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="under torch.compile"):
         attend(case.q, case.kv_cache, torch.empty_like(case.q))
+
+
+@pytest.mark.parametrize("bad", ["q rows", "q heads", "q dtype", "kv heads", "pool pages",
+                                 "sinks"])
+def test_compiled_run_checks_as_eager(bad):
+    """Under torch.compile run() refuses what the eager run() refuses, with the same message
+    (nothing reaches the kernel: a q of fewer rows than planned would write past out)."""
+    case, w = planned()
+    w.plan(**csr_kwargs(case.table), **HEADS, backend="split", split_pages=2,
+           check_page_table=True)
+    q, kv, sinks = case.q, case.kv_cache, None
+    if bad == "q rows":
+        q = q[:1].contiguous()
+    elif bad == "q heads":
+        q = torch.randn(q.shape[0], 2 * HEADS["num_qo_heads"], q.shape[2], dtype=q.dtype,
+                        device=q.device)
+    elif bad == "q dtype":
+        q = q.bfloat16()
+    elif bad == "kv heads":
+        kv = kv[:, :, :1].contiguous()
+    elif bad == "pool pages":
+        kv = kv[:1].contiguous()
+    else:
+        sinks = torch.zeros(HEADS["num_qo_heads"] + 1, device=q.device)
+    with pytest.raises((TypeError, ValueError)) as eager:
+        w.run(q, kv, sinks=sinks)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def attend(q, kv, sinks):
+        return w.run(q, kv, sinks=sinks)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape(str(eager.value)[:40])):
+        attend(q, kv, sinks)

@@ -184,38 +184,12 @@ class DecodeLauncher:
                  kv_scales) -> BoundLaunch:
         """Check run()'s arguments in full; the launch with everything but q, k, v, out, lse, the
         page indices, qo_indptr, the sinks and the fp8 scales bound."""
-        from .cache import CACHE_DTYPES
-        from .checks import check_same_device, check_tensor
+        from .checks import check_tensor
         from .kernels.decode import decode_constexprs
-        from .page_inputs import cache_views
 
-        check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
-        want = (plan.total_queries, plan.num_qo_heads, plan.head_dim)
-        if plan.total_queries is None:      # graph mode's qo_indptr: any number of rows
-            want = (q.shape[0], *want[1:])
-        if tuple(q.shape) != want:
-            rows = "batch_size" if plan.queries is None else "qo_indptr[-1]"
-            raise ValueError(f"q must be [{rows}, num_qo_heads, head_dim] = {list(want)} as "
-                             f"planned, got {list(q.shape)}")
-        if q.stride(-1) != 1:
-            raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
-        k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, self.kv_layout)
-        if self.kv_layout == "HND_VT":
-            check_v_transposed_cache(k, page_size=page, head_dim=dim)
+        k, v = check_run_inputs(plan, q, kv_cache, kv_layout=self.kv_layout, sinks=sinks,
+                                tensor_scales=tensor_scales, kv_scales=kv_scales)
         fp8 = k.dtype == FP8
-        check_cache_scales(cache_dtype=k.dtype, planned=plan.kv_data_type,
-                           tensor_scales=tensor_scales, kv_scales=kv_scales, num_pages=num_pages,
-                           num_kv_heads=heads, page_size=page, device=k.device)
-        if not fp8 and k.dtype != q.dtype:
-            raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
-        check_same_device(plan.indices.device, q=q, kv_cache=k)
-        if (heads, page, dim) != (plan.num_kv_heads, plan.page_size, plan.head_dim):
-            raise ValueError(f"kv_cache ({self.kv_layout}) has num_kv_heads={heads}, page_size={page}, "
-                             f"head_dim={dim}; the plan has {plan.num_kv_heads}, {plan.page_size}, "
-                             f"{plan.head_dim}")
-        if plan.max_page_index >= num_pages:
-            raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
-                             f"pool of {num_pages} pages")
         if out is None:
             out_strides, out_align = (q.shape[1] * q.shape[2], q.shape[2], 1), 0
         else:
@@ -226,13 +200,6 @@ class DecodeLauncher:
             if q.shape[0] * q.shape[1] > 1 and 0 in out.stride()[:2]:
                 raise ValueError(f"out must not overlap itself, got strides {out.stride()}")
             out_strides, out_align = out.stride(), out.data_ptr() % 16
-        if sinks is not None:
-            check_tensor("sinks", sinks, dtype=(torch.float32,), dim=1)
-            if tuple(sinks.shape) != (plan.num_qo_heads,) or sinks.stride(0) != 1:
-                raise ValueError(f"sinks must be a contiguous [num_qo_heads] = "
-                                 f"[{plan.num_qo_heads}] tensor, got shape {list(sinks.shape)} "
-                                 f"and strides {sinks.stride()}")
-            check_same_device(plan.indices.device, q=q, sinks=sinks)
         stride_page, stride_head, stride_tok = cache_strides(k, self.kv_layout)
         # V's offset from the pointer passed for it: the pool's K/V stride, or 0 for a (k, v) pair
         stride_kv = kv_cache.stride(1) if isinstance(kv_cache, torch.Tensor) else 0
@@ -270,6 +237,51 @@ class DecodeLauncher:
                                    num_stages=num_stages, device_index=q.device.index,
                                    launch_pdl=constexprs["PDL"],
                                    max_registers=max_registers)
+
+
+def check_run_inputs(plan, q, kv_cache, *, kv_layout: str, sinks, tensor_scales: bool,
+                     kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """run()'s checks of q [total_q, Hq, D], the cache (and an fp8 cache's scales) and the sinks
+    against the plan, for the eager launch and for torch.compile's op alike; returns the cache's
+    (k, v) views. tensor_scales: k_scale and v_scale were given (checked by the caller)."""
+    from .cache import CACHE_DTYPES
+    from .checks import check_same_device, check_tensor
+    from .page_inputs import cache_views
+
+    check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
+    want = (plan.total_queries, plan.num_qo_heads, plan.head_dim)
+    if plan.total_queries is None:      # graph mode's qo_indptr: any number of rows
+        want = (q.shape[0], *want[1:])
+    if tuple(q.shape) != want:
+        rows = "batch_size" if plan.queries is None else "qo_indptr[-1]"
+        raise ValueError(f"q must be [{rows}, num_qo_heads, head_dim] = {list(want)} as "
+                         f"planned, got {list(q.shape)}")
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
+    k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, kv_layout)
+    if kv_layout == "HND_VT":
+        check_v_transposed_cache(k, page_size=page, head_dim=dim)
+    check_cache_scales(cache_dtype=k.dtype, planned=plan.kv_data_type,
+                       tensor_scales=tensor_scales, kv_scales=kv_scales, num_pages=num_pages,
+                       num_kv_heads=heads, page_size=page, device=k.device)
+    if k.dtype != FP8 and k.dtype != q.dtype:
+        raise TypeError(f"q.dtype={q.dtype} differs from the kv_cache dtype {k.dtype}")
+    check_same_device(plan.indices.device, q=q, kv_cache=k)
+    if (heads, page, dim) != (plan.num_kv_heads, plan.page_size, plan.head_dim):
+        raise ValueError(f"kv_cache ({kv_layout}) has num_kv_heads={heads}, page_size={page}, "
+                         f"head_dim={dim}; the plan has {plan.num_kv_heads}, {plan.page_size}, "
+                         f"{plan.head_dim}")
+    if plan.max_page_index >= num_pages:
+        raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
+                         f"pool of {num_pages} pages")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=(torch.float32,), dim=1)
+        if tuple(sinks.shape) != (plan.num_qo_heads,) or sinks.stride(0) != 1:
+            raise ValueError(f"sinks must be a contiguous [num_qo_heads] = "
+                             f"[{plan.num_qo_heads}] tensor, got shape {list(sinks.shape)} "
+                             f"and strides {sinks.stride()}")
+        check_same_device(plan.indices.device, q=q, sinks=sinks)
+    return k, v
 
 
 LOG2_E = 1.4426950408889634

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .cache import check_v_transposed_cache
 from .kernels.decode import decode_constexprs, paged_decode_kernel
 from .kernels.guard import GUARD_BLOCK, guard_grid, guard_pages_kernel
-from .launch import LOG2_E, cache_strides, use_pdl
-from .page_inputs import cache_views
-from .quant import FP8, check_cache_scales, check_scale
+from .launch import LOG2_E, cache_strides, check_run_inputs, use_pdl
+from .quant import FP8, check_scale
 from .runtime import interpreting
 
 
@@ -98,15 +96,11 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
     if out is not None or return_lse:
         raise ValueError("under torch.compile, run() returns a new output and no lse: "
                          "call it without out= and return_lse=")
-    k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, kv_layout)
-    if kv_layout == "HND_VT":
-        check_v_transposed_cache(k, page_size=page, head_dim=dim)
     k_scale, v_scale, kv_scales = scales
-    check_cache_scales(cache_dtype=k.dtype, planned=plan.kv_data_type,
-                       tensor_scales=k_scale is not None or v_scale is not None,
-                       kv_scales=kv_scales, num_pages=num_pages, num_kv_heads=heads,
-                       page_size=page, device=k.device)
-    if k_scale is not None:
+    k, v = check_run_inputs(plan, q, kv_cache, kv_layout=kv_layout, sinks=sinks,
+                            tensor_scales=k_scale is not None or v_scale is not None,
+                            kv_scales=kv_scales)
+    if k_scale is not None or v_scale is not None:
         k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
     strides = list(cache_strides(k, kv_layout))
     if isinstance(kv_cache, torch.Tensor):
