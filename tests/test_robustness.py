@@ -280,3 +280,19 @@ def test_page_guard_copies_refilled_tables_and_ignores_padding():
     wrapper.check()
     ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
     assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-mode"])
+def test_a_block_table_of_no_columns_runs_its_empty_rows(graph):
+    """A trusted block table with no columns (every row empty, as a [B, 0] slice) addresses no
+    page: its guard copies nothing, and run() leaves the empty rows' output untouched."""
+    case = make_case(seq_lens=[5, 9], **HEADS)
+    table = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)[:, :0]
+    kw = dict(use_cuda_graph=True, max_batch_size=2, max_num_pages=4) if graph else {}
+    wrapper = DecodeWrapper("NHD", **kw)
+    wrapper.plan(block_table=table, seq_lens=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                 **HEADS)
+    assert wrapper.current_plan.guard.extent == 0
+    out = torch.full_like(case.q, 7.0)
+    wrapper.run(case.q, case.kv_cache, out=out)
+    assert bool((out == 7.0).all())

@@ -27,7 +27,9 @@ def guarded_extent(table: PageTableArgs) -> int:
     """Entries of the flat page table the decode kernel may address (its copy's length)."""
     if table.csr:
         return table.num_indices
-    return (table.rows - 1) * table.row_stride + table.width if table.rows else 0
+    if table.rows == 0 or table.width == 0:   # a block table of no columns addresses nothing
+        return 0
+    return (table.rows - 1) * table.row_stride + table.width
 
 
 class PageGuard:
