@@ -195,6 +195,18 @@ def test_qo_indptr_dtype_and_q_total():
         wrapper.run(case.q, case.kv_cache)
 
 
+def test_qo_indptr_must_be_contiguous():
+    """The kernels read qo_indptr as contiguous: a strided view is refused, in both modes."""
+    case = make_case(seq_lens=[20, 30], **HEADS)
+    strided = torch.tensor([[0, 0], [1, 1], [3, 3]], dtype=torch.int32, device=DEVICE)[:, 0]
+    with pytest.raises(ValueError, match="qo_indptr must be contiguous, got stride 2"):
+        DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **HEADS, qo_indptr=strided)
+    graph = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=2, max_num_pages=8,
+                          max_queries_per_row=2)
+    with pytest.raises(ValueError, match="qo_indptr must be contiguous, got stride 2"):
+        graph.plan(**csr_kwargs(case.table), **HEADS, qo_indptr=strided)
+
+
 def test_torch_compile_withqueries():
     """run() under torch.compile(fullgraph=True) takes the same query layout."""
     case = make_case(seq_lens=[40, 70], **HEADS, seed=5)

@@ -31,13 +31,20 @@ class QueryLayout:
     max_per_row: int
 
 
+def _check_indptr_tensor(qo_indptr: object) -> None:
+    """int32, one dimension, contiguous (the kernel reads it so)."""
+    check_tensor("qo_indptr", qo_indptr, dtype=torch.int32, dim=1)
+    if qo_indptr.shape[0] > 1 and qo_indptr.stride(0) != 1:
+        raise ValueError(f"qo_indptr must be contiguous, got stride {qo_indptr.stride(0)}")
+
+
 def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.device,
                  seq_lens: np.ndarray | None, tile_queries: int | None = None) -> QueryLayout:
     """qo_indptr checked (its values are read on the host: a synchronization if it is on the
     device); seq_lens, where known on the host, bound each row's queries. tile_queries: the
     tile's query tokens per row, fixed (whatever the batch holds, as batch invariance needs),
     else the batch's most."""
-    check_tensor("qo_indptr", qo_indptr, dtype=torch.int32, dim=1)
+    _check_indptr_tensor(qo_indptr)
     if qo_indptr.shape[0] != rows + 1:
         raise ValueError(f"qo_indptr must have batch_size + 1 = {rows + 1} entries, got "
                          f"{qo_indptr.shape[0]}")
@@ -77,7 +84,7 @@ def graph_query_layout(qo_indptr: object, *, rows: int, max_queries_per_row: int
     """Graph mode's qo_indptr: a device tensor refilled in place before each replay, its values
     not read on the host (the kernel clamps each row's count to max_queries_per_row and never
     reads or writes past q's rows)."""
-    check_tensor("qo_indptr", qo_indptr, dtype=torch.int32, dim=1)
+    _check_indptr_tensor(qo_indptr)
     if qo_indptr.shape[0] != rows + 1:
         raise ValueError(f"qo_indptr must have max_batch_size + 1 = {rows + 1} entries, got "
                          f"{qo_indptr.shape[0]}")
