@@ -256,8 +256,11 @@ def test_out_as_an_expanded_view(case):
 
 
 def test_sm_scale_values(case):
-    for bad in (True, 0.0, -1.0, float("nan"), float("inf"), "x"):
-        with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e39, 1e-50):
+        with pytest.raises(ValueError, match="sm_scale must be a positive finite float in"):
+            planned(case, sm_scale=bad)
+    for bad in (True, "x"):
+        with pytest.raises(TypeError, match=f"sm_scale must be a float, got {bad!r}"):
             planned(case, sm_scale=bad)
     wrapper = planned(case, sm_scale=np.float32(0.125))
     assert type(wrapper.current_plan.sm_scale) is float and wrapper.current_plan.sm_scale == 0.125
@@ -287,7 +290,7 @@ def test_removed_backends_are_refused(case):
 @pytest.mark.parametrize("scale", [[0.1], "0.1"])
 def test_sm_scale_must_be_a_real_number(scale):
     case = make_case(seq_lens=[5], **HEADS)
-    with pytest.raises(ValueError, match="sm_scale must be a positive finite float"):
+    with pytest.raises(TypeError, match="sm_scale must be a float, got"):
         DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **HEADS, sm_scale=scale)
 
 

@@ -8,6 +8,8 @@ import torch
 
 MAX_GROUP = 64        # query heads per KV head
 MAX_HEAD_DIM = 512
+FP32_TINY = 1.1754943508222875e-38   # the smallest normal fp32
+FP32_MAX = 3.4028234663852886e38
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -23,6 +25,23 @@ def check_count(name: str, value: object, *, minimum: int = 0) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {int(value)}")
     return int(value)
+
+
+def check_fp32_scale(name: str, value: object, *, zero: bool = False,
+                     factor: float = 1.0) -> float:
+    """A positive real number that the kernels' fp32 holds as a normal number (between about
+    1.2e-38 and 3.4e38) after they multiply it by `factor`, or 0 where zero=True (an option
+    that is off)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    x = float(value)
+    if zero and x == 0:
+        return x
+    lo, hi = FP32_TINY / factor, FP32_MAX / factor
+    if not (lo <= x <= hi):   # NaN fails too
+        raise ValueError(f"{name} must be {'0 or ' if zero else ''}a positive finite float in "
+                         f"[{lo:.4g}, {hi:.4g}] (fp32's normal range), got {value!r}")
+    return x
 
 
 def check_tensor(name: str, value: object, *, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,

@@ -9,10 +9,9 @@ never inf or NaN.
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
+
+from .checks import check_fp32_scale
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                 # the largest finite e4m3 value
@@ -31,13 +30,8 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 def check_scale(name: str, value: object) -> float:
-    """A per-tensor scale: a positive finite real number."""
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not real:
-        raise TypeError(f"{name} must be a float, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-    return float(value)
+    """A per-tensor scale: a positive real number inside fp32's normal range (the kernel's)."""
+    return check_fp32_scale(name, value)
 
 
 def check_cache_scales(*, cache_dtype: torch.dtype, planned: torch.dtype | None,

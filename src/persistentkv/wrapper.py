@@ -16,8 +16,8 @@ import numbers
 import torch
 
 from .cache import check_layout
-from .checks import check_attention_shape, check_positive_int
-from .launch import DecodeLauncher
+from .checks import check_attention_shape, check_fp32_scale, check_positive_int
+from .launch import LOG2_E, DecodeLauncher
 from .page_inputs import page_table_args
 from .planner import DecodePlan, Planner, PlanOptions
 from .policy import Policy
@@ -272,22 +272,14 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
                          f"columns")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    else:
-        real = isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
-        scale = float(sm_scale) if real else math.nan
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"sm_scale must be a positive finite float, got {sm_scale!r}")
-        sm_scale = scale
+    else:   # the kernels take sm_scale * log2(e)
+        sm_scale = check_fp32_scale("sm_scale", sm_scale, factor=LOG2_E)
     if not isinstance(window_left, numbers.Integral) or isinstance(window_left, bool):
         raise TypeError(f"window_left must be an int (-1: no window), got {window_left!r}")
     if window_left < -1:
         raise ValueError(f"window_left must be -1 (no window) or >= 0, got {window_left}")
-    real = isinstance(logits_soft_cap, numbers.Real) and not isinstance(logits_soft_cap, bool)
-    if not real:
-        raise TypeError(f"logits_soft_cap must be a float (0: none), got {logits_soft_cap!r}")
-    if not (math.isfinite(logits_soft_cap) and logits_soft_cap >= 0):
-        raise ValueError(f"logits_soft_cap must be a finite float >= 0 (0: none), got "
-                         f"{logits_soft_cap!r}")
+    logits_soft_cap = check_fp32_scale("logits_soft_cap", logits_soft_cap, zero=True,
+                                       factor=LOG2_E)   # 0: none; the kernel takes cap * log2(e)
     if deterministic:   # a per-step choice of schedule or split would break batch invariance
         if backend in ("grouped", "balanced"):
             raise ValueError(f"deterministic=True cuts rows into splits of a fixed size; "
