@@ -204,6 +204,24 @@ def test_per_tensor_quantization_saturates():
     assert cache.scales(0) == dict(k_scale=0.5, v_scale=2.0)
 
 
+def test_per_token_quantization_saturates_an_inf():
+    """An inf in a token's row saturates to +-448 x the scale of its finite values (as a
+    per-tensor cache stores it); the row's other values keep their own."""
+    cache = _cache(kv_scale="token")
+    cache.add_sequence(0)
+    k = torch.randn(2, 1, 2, 16)
+    k[:, 0, 0, 3] = math.inf
+    cache.append(0, k, k.clone())
+    page = cache.allocator.sequence(0).pages[0]
+    stored = cache.pools[0][page, 0, 0, 0].float().cpu()     # layer 0, K, slot 0, head 0: [D]
+    scale = cache.kv_scales[0][page, 0, 0, 0].cpu()
+    assert torch.isfinite(stored).all() and float(stored[3]) == FP8_MAX
+    finite = torch.cat([k[0, 0, 0, :3], k[0, 0, 0, 4:]])
+    assert torch.isclose(scale, finite.abs().max() / FP8_MAX)
+    dequantized = torch.cat([stored[:3], stored[4:]]) * scale
+    assert relative_error(dequantized, finite) <= 0.1
+
+
 def test_fp8_cache_end_to_end():
     """PagedKVCache(fp8) appends, its page table plans, run() takes cache.scales(layer)."""
     for granularity in ("tensor", "token"):

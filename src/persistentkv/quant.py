@@ -25,8 +25,12 @@ def quantize(x: torch.Tensor, scale) -> torch.Tensor:
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
-    """Per-row scales of x [..., D]: amax / 448 over the last dim, at least MIN_SCALE; fp32 [...]."""
-    return (x.float().abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    """Per-row scales of x [..., D]: amax / 448 over the last dim's finite values, at least
+    MIN_SCALE; fp32 [...]. An inf then saturates to +-448 x scale as in a per-tensor cache (an
+    inf amax would zero the row's other values and store the inf as NaN)."""
+    magnitude = x.float().abs()
+    magnitude = torch.where(torch.isfinite(magnitude), magnitude, 0.0)
+    return (magnitude.amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
 
 
 def check_scale(name: str, value: object) -> float:
