@@ -42,10 +42,25 @@ from persistentkv.cli import main
     (["explain", "--cell", "B1 L1K", "--backend", "fi-xqa"],
      "backend must be pkv-NAME[@PAGES][:<key><value>...] with NAME one of"),
     (["explain", "--cell", "B1 L1K", "--backend", "auto"], "(e.g. 'pkv-auto', "),
+    (["calibrate", "--seeds", ""], "--seeds expects one or more integers >= 0, got ''"),
+    (["evaluate", "--seeds", "1,x"], "--seeds expects comma-separated integers, got '1,x'"),
+    (["e2e", "--requests", ""], "--requests expects one or more integers >= 1, got ''"),
+    (["e2e", "--requests", "0"], "--requests expects one or more integers >= 1, got '0'"),
+    (["e2e", "--new-tokens", "-3"], "--new-tokens must be >= 1, got -3"),
+    (["bench", "--memory-gb", "inf"], "memory budget must be > 0 GB, got inf"),
 ])
 def test_bad_arguments(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_report_refuses_a_file_that_is_no_results_before_writing(tmp_path, capsys):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"steps": []}))
+    assert main(["report", str(path), "--out", str(tmp_path / "plots")]) == 2
+    assert "is not a results file of `persistentkv bench`: it has no 'summary', 'environment'" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists()
 
 
 def test_refit_from_results_without_candidate_steps(tmp_path, capsys):

@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 
 from paged_case import DEVICE, ON_GPU, csr_kwargs, make_case
 from persistentkv import PageTable, reference_decode, relative_error
-from persistentkv.context_parallel import ContextParallelDecode, shard_table, short_row_ranks
+from persistentkv.context_parallel import (ContextParallelDecode, merge_across_ranks, shard_table,
+                                          short_row_ranks)
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 LENS = [300, 9, 130, 0, 33, 16]    # 19 pages, 1 page (shorter than one), 9, none, 3 and exactly 1
@@ -174,3 +175,23 @@ def test_nccl_merge_is_captured_with_the_step(method):
             assert relative_error(out, ref) <= 2e-3 and relative_error(lse, ref_lse) <= 1e-4
     finally:
         dist.destroy_process_group()
+
+
+def test_context_parallel_bad_arguments():
+    """Each is refused before any collective, naming the argument."""
+    case = make_case(seq_lens=[40, 20], **HEADS, layout="HND")
+    cp = ContextParallelDecode("HND")
+    with pytest.raises(ValueError, match="takes one query per row; got qo_indptr=tensor"):
+        cp.plan(**csr_kwargs(case.table), **HEADS,
+                qo_indptr=torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="takes no window; got window_left=4"):
+        cp.plan(**csr_kwargs(case.table), **HEADS, window_left=4)
+    cp.plan(**csr_kwargs(case.table), **HEADS)
+    for bad in (1, "no"):
+        with pytest.raises(TypeError, match=f"return_lse must be a bool, got {bad!r}"):
+            cp.run(case.q, case.kv_cache, return_lse=bad)
+    o = torch.zeros(2, 8, 64)
+    with pytest.raises(ValueError, match=r"lse must be \[B, Hq\] = \[2, 8\] on o's device"):
+        merge_across_ranks(o, torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="lse must be a torch.Tensor, got ndarray"):
+        merge_across_ranks(o, np.zeros((2, 8)))

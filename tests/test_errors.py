@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from paged_case import block_kwargs, csr_kwargs, make_case
-from persistentkv import TOLERANCE, DecodeWrapper, PagedKVCache, reference_decode, relative_error
+from persistentkv import (TOLERANCE, DecodeWrapper, PagedKVCache, PageTable, reference_decode,
+                          relative_error)
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
@@ -195,6 +196,30 @@ def test_cache_constructor_and_append_checks():
     kv = torch.zeros(1, 3, 1, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"k must be \[num_layers, n, num_kv_heads, head_dim\]"):
         cache.append(0, kv, kv)
+    for layer, error, match in ((2, ValueError, "layer must be < num_layers=2, got 2"),
+                                (-1, ValueError, "layer must be >= 0, got -1"),
+                                (True, TypeError, "layer must be an int, got bool True")):
+        with pytest.raises(error, match=match):
+            cache.scales(layer)
+    shape = dict(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16 up to 512, got 3"):
+        PagedKVCache(**shape, head_dim=3)
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string"):
+        PagedKVCache(**shape, head_dim=16, device="gpu")
+    with pytest.raises(ValueError, match="device must be a torch.device or a device string"):
+        DecodeWrapper("NHD", device="gpu")
+
+
+def test_append_keeps_no_autograd_graph():
+    """K/V that require grad are written as values: the pool stays a leaf without a graph."""
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=16,
+                         init="zeros")
+    cache.add_sequence(0)
+    k = torch.randn(1, 3, 1, 16, dtype=torch.float16, requires_grad=True)
+    cache.append(0, k, k * 2)
+    assert not cache.pools[0].requires_grad and cache.pools[0].grad_fn is None
+    page = cache.allocator.sequence(0).pages[0]
+    assert torch.equal(cache.pools[0][page, 0, :3].float(), k[0].detach().float())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host metadata beside device indices")
@@ -314,3 +339,27 @@ def test_num_sms_sizes_the_grid_and_the_split_rule():
         out = torch.full_like(case.q, float("nan"))
         wrapper.run(case.q, case.kv_cache, out=out)
         assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(row_pages=([0, 1],), seq_lens=[100]), ValueError,
+     r"row 0 has 2 pages for seq_lens\[0\]=100 tokens; pages of 4 need 25"),
+    (dict(row_pages=([0], [1]), seq_lens=[3]), ValueError,
+     r"seq_lens must hold one length per row \(2\), got shape \[1\]"),
+    (dict(row_pages=([0],), seq_lens=[3], page_size=0), ValueError, "page_size must be >= 1, got 0"),
+    (dict(row_pages=([0.5],), seq_lens=[3]), TypeError, r"row_pages\[0\] must be a 1-D integer"),
+    (dict(row_pages=([-1],), seq_lens=[3]), ValueError, r"row_pages\[0\] must be >= 0, got -1"),
+    (dict(row_pages=([],), seq_lens=[-1]), ValueError, "seq_lens must be >= 0, got -1"),
+])
+def test_page_table_checks_its_rows(kwargs, error, match):
+    """A PageTable's rows hold exactly the pages their tokens fill (its CSR form says no other)."""
+    with pytest.raises(error, match=match):
+        PageTable(**{"page_size": 4, **kwargs})
+
+
+def test_page_table_takes_lists_and_checks_pad_to():
+    table = PageTable(row_pages=([], [2, 5]), seq_lens=[0, 7], page_size=4)
+    assert table.seq_lens.dtype == np.int64 and table.row_pages[1].dtype == np.int64
+    assert table.block_table(pad_to=3)[0].tolist() == [[0, 0, 0], [2, 5, 0]]
+    with pytest.raises(TypeError, match="pad_to must be an int, got float 2.5"):
+        table.block_table(pad_to=2.5)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .allocator import OutOfPagesError, PageAllocator
-from .checks import check_count
+from .checks import check_count, check_device, check_head_dim
 from .page_table import PageTable
 from .quant import FP8, SCALE_GRANULARITIES, check_scale, quantize, row_scales
 
@@ -75,9 +75,10 @@ class PagedKVCache:
                  device: torch.device | str = "cpu", shuffle_seed: int | None = None,
                  init: str = "empty", kv_scale: str = "tensor", k_scale: float = 1.0,
                  v_scale: float = 1.0):
-        num_layers, num_kv_heads, head_dim = (
+        num_layers, num_kv_heads = (
             check_count(name, value, minimum=1) for name, value in
-            (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)))
+            (("num_layers", num_layers), ("num_kv_heads", num_kv_heads)))
+        head_dim = check_head_dim(head_dim)
         if dtype not in (*CACHE_DTYPES, FP8):
             raise TypeError(f"dtype must be one of {(*CACHE_DTYPES, FP8)}, got {dtype}")
         if init not in ("empty", "zeros", "randn"):
@@ -95,7 +96,7 @@ class PagedKVCache:
         check_v_transposed_page(layout, self.allocator.page_size)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.num_pages, self.dtype = self.allocator.page_size, self.allocator.num_pages, dtype
-        self.device = torch.device(device)
+        self.device = check_device(device)
         inner = ((self.page_size, num_kv_heads) if layout == "NHD"
                  else (num_kv_heads, self.page_size))
         shape = (self.num_pages, 2, *inner, head_dim)
@@ -133,6 +134,9 @@ class PagedKVCache:
     def scales(self, layer: int) -> dict:
         """run()'s scale arguments for `layer`: {} (fp16/bf16), {k_scale, v_scale} (fp8 per
         tensor) or {kv_scales} (fp8 per token)."""
+        layer = check_count("layer", layer)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer must be < num_layers={self.num_layers}, got {layer}")
         if not self.fp8:
             return {}
         if self.kv_scales is not None:
@@ -200,7 +204,7 @@ class PagedKVCache:
                 raise TypeError(f"{name}.dtype must be the cache's {self.dtype}, got {t.dtype}")
             if t.device.type == "meta":
                 raise ValueError(f"{name} is on the meta device: it holds no values to write")
-        return k.to(self.device), v.to(self.device)
+        return k.detach().to(self.device), v.detach().to(self.device)   # no autograd graph kept
 
     def _write(self, pages: np.ndarray, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
         if len(pages) == 0:

@@ -76,9 +76,24 @@ def check_attention_shape(*, num_qo_heads: object, num_kv_heads: object, head_di
     if num_qo_heads // num_kv_heads > MAX_GROUP:
         raise ValueError(f"group size num_qo_heads/num_kv_heads={num_qo_heads // num_kv_heads} "
                          f"is over the supported {MAX_GROUP}")
+    return num_qo_heads, num_kv_heads, check_head_dim(head_dim), page_size
+
+
+def check_head_dim(head_dim: object) -> int:
+    """A head dim the kernels take: a multiple of 16 up to MAX_HEAD_DIM."""
+    head_dim = check_positive_int("head_dim", head_dim)
     if head_dim % 16 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}, got {head_dim}")
-    return num_qo_heads, num_kv_heads, head_dim, page_size
+    return head_dim
+
+
+def check_device(value: object) -> torch.device:
+    """A torch.device, or a string or index torch.device() takes."""
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device string such as 'cuda:0', "
+                         f"got {value!r}") from None
 
 
 def check_offsets(name: str, offsets: np.ndarray) -> np.ndarray:

@@ -138,11 +138,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(text: str) -> list[int]:
+def _ints(option: str, text: str, *, minimum: int) -> list[int]:
+    """A non-empty comma-separated list of integers >= minimum (option: its flag, for errors)."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{option} expects comma-separated integers, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{option} expects one or more integers >= {minimum}, got {text!r}")
+    return values
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -152,7 +156,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .bench.adaptive import run_calibrate
     from .bench.runner import RunOptions
 
-    run_calibrate(device=torch.device(device), seeds=_ints(args.seeds),
+    run_calibrate(device=torch.device(device), seeds=_ints("--seeds", args.seeds, minimum=0),
                   candidates=args.candidates.split(","), shape=model_shape(args),
                   opts=RunOptions(layers=args.layers, samples=args.samples),
                   objective=args.objective, out_path=Path(args.out),
@@ -170,10 +174,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     shapes = model_shapes(args)
+    seeds = _ints("--seeds", args.seeds, minimum=0)
     for preset, shape in shapes:
         policy = load_policy(name, args.policy,
                              shape=(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim))
-        run_evaluate(device=torch.device(device), policy=policy, seeds=_ints(args.seeds),
+        run_evaluate(device=torch.device(device), policy=policy, seeds=seeds,
                      backends=args.backends.split(","), shape=shape,
                      opts=RunOptions(layers=args.layers, samples=args.samples,
                                      eager_reps=args.eager_reps), out_dir=Path(args.out),
@@ -196,6 +201,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_e2e(args: argparse.Namespace) -> int:
+    requests = _ints("--requests", args.requests, minimum=1)
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be >= 1, got {args.new_tokens}")
     device = choose_device()
     import torch
 
@@ -206,7 +214,7 @@ def cmd_e2e(args: argparse.Namespace) -> int:
     impls = args.impls or (f"{reference},paged|persistentkv" if device == "cuda"
                            or reference != "paged|sdpa"
                            else "paged|sdpa,paged|eager,paged|persistentkv")
-    run_e2e(model_name=model, requests=_ints(args.requests), mean_prompt=args.mean_prompt,
+    run_e2e(model_name=model, requests=requests, mean_prompt=args.mean_prompt,
             new_tokens=args.new_tokens, impls=impls.split(","), device=torch.device(device),
             out_dir=Path(args.out), tag=args.tag or f"e2e-{model}",
             teacher_forced=not args.no_teacher_forced, profile=args.profile,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .checks import check_count, check_positive_int
+from .checks import check_count, check_positive_int, check_tensor
 from .page_table import PageTable
 from .wrapper import DecodeWrapper
 
@@ -122,6 +122,11 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
 
     if method not in MERGES:
         raise ValueError(f"method must be one of {MERGES}, got {method!r}")
+    check_tensor("o", o, dim=3)
+    check_tensor("lse", lse, dim=2)
+    if tuple(lse.shape) != tuple(o.shape[:2]) or lse.device != o.device:
+        raise ValueError(f"lse must be [B, Hq] = {list(o.shape[:2])} on o's device {o.device}, "
+                         f"got {list(lse.shape)} on {lse.device}")
     o32, lse = o.float(), lse.float()
     if method == "all_gather":
         world = dist.get_world_size(group)
@@ -163,10 +168,12 @@ class ContextParallelDecode:
         self._active = None
 
     def plan(self, **plan_kwargs):
-        for name in ("qo_indptr", "window_left"):
-            if plan_kwargs.get(name) not in (None, -1):
-                raise ValueError(f"context-parallel decode takes one query per row and no window; "
-                                 f"got {name}={plan_kwargs[name]!r}")
+        if plan_kwargs.get("qo_indptr") is not None:
+            raise ValueError("context-parallel decode takes one query per row; got qo_indptr="
+                             f"{plan_kwargs['qo_indptr']!r}")
+        if plan_kwargs.get("window_left", -1) != -1:
+            raise ValueError("context-parallel decode takes no window; got window_left="
+                             f"{plan_kwargs['window_left']!r}")
         plan = self.wrapper.plan(**plan_kwargs)
         if plan_kwargs.get("seq_lens") is not None:
             lengths = plan_kwargs["seq_lens"]
@@ -179,6 +186,8 @@ class ContextParallelDecode:
         """q [B, Hq, D] (the same on every rank) -> out [B, Hq, D] (and lse [B, Hq] fp32)."""
         if self._active is None:
             raise RuntimeError("run() called before plan()")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
         out = torch.zeros_like(q)
         out, lse = self.wrapper.run(q, kv_cache, out=out, return_lse=True)
         lse = torch.where(self._active[:, None], lse, torch.full_like(lse, float("-inf")))

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .checks import check_count, check_positive_int
+
 
 @dataclass(frozen=True)
 class PageTable:
@@ -17,6 +19,32 @@ class PageTable:
     row_pages: tuple[np.ndarray, ...]
     seq_lens: np.ndarray
     page_size: int
+
+    def __post_init__(self):
+        """Checked, each row's pages as int64 arrays: as many pages as its tokens fill, none
+        negative (the CSR form could not say otherwise)."""
+        page_size = check_positive_int("page_size", self.page_size)
+        try:
+            rows = tuple(np.asarray(p) for p in self.row_pages)
+            lens = np.asarray(self.seq_lens)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"row_pages and seq_lens must be integer sequences: {err}") from None
+        if lens.ndim != 1 or len(lens) != len(rows):
+            raise ValueError(f"seq_lens must hold one length per row ({len(rows)}), got shape "
+                             f"{list(lens.shape)}")
+        for name, a in [("seq_lens", lens)] + [(f"row_pages[{r}]", p) for r, p in enumerate(rows)]:
+            if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                raise TypeError(f"{name} must be a 1-D integer array, got {a.dtype} of shape "
+                                f"{list(a.shape)}")
+            if a.size and a.min() < 0:
+                raise ValueError(f"{name} must be >= 0, got {int(a.min())}")
+        for r, (pages, n) in enumerate(zip(rows, lens)):
+            if len(pages) != -(-int(n) // page_size):
+                raise ValueError(f"row {r} has {len(pages)} pages for seq_lens[{r}]={int(n)} "
+                                 f"tokens; pages of {page_size} need {-(-int(n) // page_size)}")
+        object.__setattr__(self, "row_pages", tuple(p.astype(np.int64) for p in rows))
+        object.__setattr__(self, "seq_lens", lens.astype(np.int64))
+        object.__setattr__(self, "page_size", page_size)
 
     @property
     def batch_size(self) -> int:
@@ -38,6 +66,7 @@ class PageTable:
         """(block_table [B, max_pages], seq_lens [B]), int32; unused entries are 0."""
         width = max([len(p) for p in self.row_pages], default=0)
         if pad_to is not None:
+            pad_to = check_count("pad_to", pad_to)
             if pad_to < width:
                 raise ValueError(f"pad_to={pad_to} is smaller than the longest row's {width} pages")
             width = pad_to

@@ -16,7 +16,7 @@ import numbers
 import torch
 
 from .cache import check_layout
-from .checks import check_attention_shape, check_fp32_scale, check_positive_int
+from .checks import check_attention_shape, check_device, check_fp32_scale, check_positive_int
 from .launch import LOG2_E, DecodeLauncher
 from .page_inputs import page_table_args
 from .planner import DecodePlan, Planner, PlanOptions
@@ -57,7 +57,7 @@ class DecodeWrapper:
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a persistentkv.policy.Policy, got "
                             f"{type(policy).__name__}")
-        self._device = None if device is None else torch.device(device)
+        self._device = None if device is None else check_device(device)
         if (self._device is not None and self._device.type == "cuda"
                 and self._device.index is None and torch.cuda.is_available()):
             self._device = torch.device("cuda", torch.cuda.current_device())   # "cuda" = cuda:N

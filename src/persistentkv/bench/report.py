@@ -8,6 +8,22 @@ from pathlib import Path
 from .results import FI_BEST
 
 
+RESULTS_KEYS = ("summary", "steps", "environment")
+
+
+def load_results(path: Path) -> dict:
+    """A results file of `persistentkv bench` (JSON with summary, steps and environment)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{str(path)!r} is not JSON: {err}") from None
+    missing = [k for k in RESULTS_KEYS if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise ValueError(f"{str(path)!r} is not a results file of `persistentkv bench`: it has "
+                         f"no {', '.join(repr(k) for k in missing)}")
+    return data
+
+
 def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
     """Throughput per backend per case, TB/s against context length with the ceiling drawn in,
     and (when FlashInfer was measured) each backend's speedup over FlashInfer's best, per case,
@@ -17,10 +33,10 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    loaded = [(path, load_results(path)) for path in paths]   # every file, before any output
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for path in paths:
-        data = json.loads(Path(path).read_text())
+    for path, data in loaded:
         summary, steps, env = data["summary"], data["steps"], data["environment"]
         ok = [r for r in summary if r["status"] == "ok" and "tokens_per_s_graph" in r]
         cases = list(dict.fromkeys(r["case"] for r in ok))
@@ -77,7 +93,7 @@ def speedup_matrix(paths: list[Path], *, backend: str = "pkv-auto") -> tuple[lis
     shapes, cases, ratio = [], [], {}
     for path in paths:
         shape = Path(path).stem
-        rows = [r for r in json.loads(Path(path).read_text())["summary"]
+        rows = [r for r in load_results(path)["summary"]
                 if r["backend"] == backend and r["status"] == "ok"
                 and r.get("speedup_graph_vs_fi_best") is not None]
         if not rows:

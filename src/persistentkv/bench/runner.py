@@ -87,7 +87,7 @@ class RunOptions:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if isinstance(self.graph_reps, bool) or not isinstance(self.graph_reps, int) or self.graph_reps < 0:
             raise ValueError(f"graph_reps must be a non-negative int, got {self.graph_reps!r}")
-        if not self.memory_budget_gb > 0:
+        if not (math.isfinite(self.memory_budget_gb) and self.memory_budget_gb > 0):
             raise ValueError(f"memory budget must be > 0 GB, got {self.memory_budget_gb!r}")
         if self.q_len != "mix" and not (isinstance(self.q_len, str) and self.q_len.isdigit()
                                         and 1 <= int(self.q_len) <= MAX_QUERIES_PER_ROW):
