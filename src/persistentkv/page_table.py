@@ -21,8 +21,10 @@ class PageTable:
     page_size: int
 
     def __post_init__(self):
-        """Checked, each row's pages as int64 arrays: as many pages as its tokens fill, none
-        negative (the CSR form could not say otherwise)."""
+        """Checked, each row's pages as int64 arrays: as many pages as its tokens fill (the CSR
+        form could not say otherwise). The page values are not checked here: a table may name
+        pages outside a pool, as an engine's may, which plan(check_page_table=True) refuses and
+        the page guard reads as page 0."""
         page_size = check_positive_int("page_size", self.page_size)
         try:
             rows = tuple(np.asarray(p) for p in self.row_pages)
@@ -36,8 +38,8 @@ class PageTable:
             if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
                 raise TypeError(f"{name} must be a 1-D integer array, got {a.dtype} of shape "
                                 f"{list(a.shape)}")
-            if a.size and a.min() < 0:
-                raise ValueError(f"{name} must be >= 0, got {int(a.min())}")
+        if lens.size and lens.min() < 0:
+            raise ValueError(f"seq_lens must be >= 0, got {int(lens.min())}")
         for r, (pages, n) in enumerate(zip(rows, lens)):
             if len(pages) != -(-int(n) // page_size):
                 raise ValueError(f"row {r} has {len(pages)} pages for seq_lens[{r}]={int(n)} "
