@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..cache import PagedKVCache
-from ..checks import check_attention_shape
+from ..checks import check_attention_shape, check_fp32_scale
 from ..quant import FP8, FP8_MAX, SCALE_GRANULARITIES
 from ..queries import MAX_QUERIES_PER_ROW
 from .backends import Backend, StepInputs
@@ -97,9 +97,8 @@ class RunOptions:
                 self.window_left < -1:
             raise ValueError(f"window_left must be -1 (none) or an int >= 0, got "
                              f"{self.window_left!r}")
-        if not (math.isfinite(self.logits_soft_cap) and self.logits_soft_cap >= 0):
-            raise ValueError(f"logits_soft_cap must be a finite float >= 0, got "
-                             f"{self.logits_soft_cap!r}")
+        check_fp32_scale("logits_soft_cap", self.logits_soft_cap, zero=True,
+                         factor=math.log2(math.e))   # as plan() takes it
 
     def variants(self) -> dict:
         """The step's attention variants, as StepInputs takes them (sinks: whether to draw)."""
