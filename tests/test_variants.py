@@ -56,6 +56,13 @@ def test_each_variant_every_schedule(variant, backend):
            **VARIANTS[variant])
 
 
+@pytest.mark.parametrize("cap", [1e8, 1e30])
+def test_a_huge_soft_cap_is_no_cap(cap):
+    """cap * tanh(s / cap) is s when s / cap is tiny (where 1 - e^(-2x) loses every digit)."""
+    case = make_case(seq_lens=[40, 9], **HEADS, seed=4)
+    _check(case, backend="split", split_pages=1, logits_soft_cap=cap)
+
+
 @pytest.mark.parametrize("table_form, max_tile_rows", [("csr", None), ("block", None),
                                                         ("csr", 16)])
 def test_variants_with_several_queries(table_form, max_tile_rows):

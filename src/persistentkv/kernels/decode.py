@@ -110,7 +110,9 @@ class Features(NamedTuple):
 def _tanh(x):
     """tanh. On a GPU one MUFU.TANH (tanh.approx.f32: relative error about 2^-11; FlashInfer's
     and TensorRT-LLM's soft-caps use it too). The interpreter, which runs no PTX, takes one exp2
-    (accurate in fp32 at every magnitude: e^(-2|x|) never overflows)."""
+    (e^(-2|x|) never overflows), and below |x| = 1/64, where 1 - e^(-2|x|) loses the digits
+    (to 0 under 6e-8: a huge soft-cap's scores), tanh's series to x^5 (its next term is
+    under 1e-11 of x)."""
     if HW_TANH:
         y = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                       is_pure=True, pack=1)
@@ -118,6 +120,8 @@ def _tanh(x):
         t = tl.math.exp2(-2.0 * LOG2_E * tl.abs(x))
         y = (1.0 - t) / (1.0 + t)
         y = tl.where(x < 0, -y, y)
+        x2 = x * x
+        y = tl.where(tl.abs(x) < 0.015625, x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0))), y)
     return y
 
 
