@@ -247,6 +247,37 @@ def test_outside_continuous_batching_and_float32_are_refused():
                                 cache=object())
 
 
+def test_bad_steps_are_refused_before_the_cache_is_written():
+    """Each names what is wrong, and the cache's pages are as they were."""
+    from types import SimpleNamespace
+
+    pages = torch.zeros(8, 2, 16, dtype=torch.float16)
+    cache = SimpleNamespace(num_key_value_heads=2, head_dim=16, block_size=4,
+                            layer_index_to_group_indices={0: (0, 0)}, sliding_windows={0: 1},
+                            key_cache=[pages], value_cache=[pages.clone()])
+    module = SimpleNamespace(layer_idx=0, scaling=0.25, config=SimpleNamespace())
+    q, kv = torch.ones(1, 4, 2, 16, dtype=torch.float16), torch.ones(1, 2, 2, 16,
+                                                                      dtype=torch.float16)
+    meta = dict(cu_seq_lens_q=torch.tensor([0, 2]), cu_seq_lens_k=torch.tensor([0, 2]),
+                write_index=[torch.tensor([0, 1])])
+    cases = [
+        (module, q, {**meta, "write_index": None}, "needs continuous batching's write_index"),
+        (module, q, {**meta, "cu_seq_lens_k": None}, "needs continuous batching's cu_seq_lens_k"),
+        (module, torch.ones(4, 2, 16, dtype=torch.float16), meta,
+         r"takes query \[1, num_heads, tokens, head_dim\], got shape \[4, 2, 16\]"),
+        (module, torch.ones(1, 3, 2, 16, dtype=torch.float16), meta,
+         "num_qo_heads=3 must be a multiple of num_kv_heads=2"),
+        (SimpleNamespace(scaling=0.25), q, meta, "layer_idx=None"),
+        (SimpleNamespace(layer_idx=0, scaling=0.25, config=SimpleNamespace(
+            sliding_window=1, layer_types=["sliding_attention", "full_attention"])), q, meta,
+         "cannot serve sliding_window=1"),
+    ]
+    for mod, query, kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            paged_attention_forward(mod, query, kv, kv, None, cache=cache, **kwargs)
+        assert not pages.any() and not cache.value_cache[0].any()
+
+
 def test_e2e_model_shapes():
     """Each model of `persistentkv e2e` is built as named (on the meta device: no memory)."""
     from persistentkv.bench.e2e import MODELS, build_model

@@ -40,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..checks import check_attention_shape
 from ..queries import MAX_QUERIES_PER_ROW, MAX_TILE_ROWS
 from ..wrapper import DecodeWrapper
 
@@ -286,9 +287,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"{NAME} runs float16 or bfloat16 models; this one computes in "
                         f"{query.dtype} (load it with dtype=torch.bfloat16)")
+    _check_step(module, query, cache, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
+                write_index=write_index)       # before anything is written to the cache
     layer = module.layer_idx
     group, in_group = cache.layer_index_to_group_indices[layer]
-    variant = dict(soft_cap=float(softcap) if softcap else 0.0,
+    # cap * tanh(s / cap) is odd in cap: a negative cap caps as its magnitude does
+    variant = dict(soft_cap=abs(float(softcap)) if softcap else 0.0,
                    scale=kwargs.get("scaling") or module.scaling,
                    sinks=None if s_aux is None else s_aux.detach().float().reshape(-1))
     plans = getattr(cache, "_persistentkv", None)
@@ -317,6 +321,30 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if staged is not None:
         state.staged_rows.run(q, staged, out, **variant)
     return out.unsqueeze(0), None
+
+
+def _check_step(module, query: torch.Tensor, cache, **metadata) -> None:
+    """What paged_attention_forward needs of its arguments, checked before it writes the cache:
+    query [1, Hq, total_q, D] of heads and head dim the kernels take, the module's layer in the
+    cache's groups, and continuous batching's step metadata."""
+    for name, value in metadata.items():
+        if value is None:
+            raise ValueError(f"{NAME} needs continuous batching's {name}; got None")
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(f"{NAME} takes query [1, num_heads, tokens, head_dim], got shape "
+                         f"{list(query.shape)}")
+    check_attention_shape(num_qo_heads=query.shape[1], num_kv_heads=cache.num_key_value_heads,
+                          head_dim=cache.head_dim, page_size=cache.block_size)
+    layer = getattr(module, "layer_idx", None)
+    groups = getattr(cache, "layer_index_to_group_indices", None)
+    if groups is None or layer not in groups:
+        raise ValueError(f"{NAME} needs the module's layer_idx among the cache's layers; got "
+                         f"layer_idx={layer!r}")
+    config = getattr(module, "config", None)
+    if (getattr(config, "sliding_window", None) == 1
+            and "sliding_attention" in (getattr(config, "layer_types", None) or ())):
+        raise ValueError(f"{NAME} cannot serve sliding_window=1: the cache marks full-attention "
+                         f"layers with a window of 1, so its sliding layers look full")
 
 
 def _split_groups(plans: dict, cache, query: torch.Tensor, cu_seq_lens_q, cu_seq_lens_k,
