@@ -114,3 +114,35 @@ def test_page_table_exports_agree(device):
         assert block_table[row, : hi - lo].tolist() == csr["kv_indices"][lo:hi].tolist()
     assert all(d == torch.int32 for d in (block_table.dtype, seq_lens.dtype))
     assert np.unique(np.concatenate(table.row_pages)).size == 5
+
+
+def test_bad_ids_counts_and_seeds_name_the_argument():
+    alloc = PageAllocator(4, 2)
+    for call in (lambda: alloc.add([1]), lambda: alloc.sequence([1]), lambda: [1] in alloc):
+        with pytest.raises(TypeError, match=r"seq_id must be hashable .*got list \[1\]"):
+            call()
+    alloc.add("s")
+    for bad, error in ((-100, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="num_tokens"):
+            alloc.pages_needed("s", bad)
+    for seed, error in ((True, TypeError), (1.5, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match="shuffle_seed"):
+            PageAllocator(4, 2, shuffle_seed=seed)
+    assert PageAllocator(4, 2, shuffle_seed=np.int64(3)).free_pages == \
+        PageAllocator(4, 2, shuffle_seed=3).free_pages
+
+
+def test_undo_append_checks_before_it_changes_anything():
+    alloc = PageAllocator(4, 2)
+    alloc.add("s")
+    alloc.append("s", 3)
+    before = (alloc.free_pages, alloc.sequence("s").pages[:], 3)
+    for kwargs, error in ((dict(num_tokens=1, pages_before=-1), ValueError),
+                          (dict(num_tokens="a", pages_before=0), TypeError),
+                          (dict(num_tokens=10, pages_before=0), ValueError),
+                          (dict(num_tokens=1, pages_before=3), ValueError)):
+        with pytest.raises(error):
+            alloc.undo_append("s", **kwargs)
+        assert (alloc.free_pages, alloc.sequence("s").pages, alloc.sequence("s").length) == before
+    alloc.undo_append("s", 3, pages_before=0)
+    assert alloc.num_free_pages == 4 and alloc.sequence("s").length == 0

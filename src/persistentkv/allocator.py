@@ -21,6 +21,16 @@ class Sequence:
     length: int = 0
 
 
+def _hashable(seq_id: object) -> object:
+    """A sequence id, which must be hashable (a dict key)."""
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise TypeError(f"seq_id must be hashable (an int, str, tuple...), got "
+                        f"{type(seq_id).__name__} {seq_id!r}") from None
+    return seq_id
+
+
 class PageAllocator:
     """Free list of `num_pages` pages of `page_size` tokens, shared by every layer's pool.
 
@@ -33,7 +43,7 @@ class PageAllocator:
         self.page_size = check_count("page_size", page_size, minimum=1)
         free = list(range(self.num_pages))
         if shuffle_seed is not None:
-            random.Random(shuffle_seed).shuffle(free)
+            random.Random(check_count("shuffle_seed", shuffle_seed)).shuffle(free)
         # Pages are taken from the end of the list; reversed so that an unshuffled pool hands out 0, 1, 2...
         self._free: list[int] = free[::-1]
         self._seqs: dict[object, Sequence] = {}
@@ -49,11 +59,11 @@ class PageAllocator:
         return tuple(reversed(self._free))
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
+        return _hashable(seq_id) in self._seqs
 
     def sequence(self, seq_id: object) -> Sequence:
         try:
-            return self._seqs[seq_id]
+            return self._seqs[_hashable(seq_id)]
         except KeyError:
             raise KeyError(f"unknown sequence id {seq_id!r}") from None
 
@@ -63,12 +73,13 @@ class PageAllocator:
 
     def pages_needed(self, seq_id: object, num_tokens: int) -> int:
         """Pages that appending `num_tokens` tokens to `seq_id` would take from the free list."""
+        num_tokens = check_count("num_tokens", num_tokens)
         seq = self.sequence(seq_id)
         return -(-(seq.length + num_tokens) // self.page_size) - len(seq.pages)
 
     # -- changes ---------------------------------------------------------------------------------
     def add(self, seq_id: object) -> None:
-        if seq_id in self._seqs:
+        if _hashable(seq_id) in self._seqs:
             raise ValueError(f"sequence id {seq_id!r} already exists")
         self._seqs[seq_id] = Sequence()
 
@@ -98,6 +109,12 @@ class PageAllocator:
         """Take back the last append of `num_tokens` tokens to `seq_id`, which had `pages_before`
         pages before it: its new pages go back to the free list as they came off it."""
         seq = self.sequence(seq_id)
+        num_tokens = check_count("num_tokens", num_tokens)
+        pages_before = check_count("pages_before", pages_before)
+        if num_tokens > seq.length or pages_before > len(seq.pages):
+            raise ValueError(f"sequence {seq_id!r} holds {seq.length} tokens on {len(seq.pages)} "
+                             f"pages: it cannot take back num_tokens={num_tokens} to "
+                             f"pages_before={pages_before}")
         while len(seq.pages) > pages_before:
             self._free.append(seq.pages.pop())
         seq.length -= num_tokens
