@@ -107,6 +107,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     shapes = model_shapes(args)
     if args.q_len != "1" and not args.grid:
         raise ValueError(f"--q-len {args.q_len} applies to --grid (static batches), not to traces")
+    if args.trace_file and (args.grid or args.traces):
+        raise ValueError(f"--trace-file {args.trace_file} replays its own trace: give it without "
+                         f"--grid and --traces")
     opts = RunOptions(layers=args.layers, samples=args.samples, seed=args.seed,
                       memory_budget_gb=args.memory_gb, q_len=args.q_len,
                       window_left=args.window_left, logits_soft_cap=args.soft_cap,

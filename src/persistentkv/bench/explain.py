@@ -21,6 +21,7 @@ from ..runtime import next_power_of_2
 from ..tuning import KernelConfig, default_config
 from ..wrapper import DecodeWrapper
 from .runner import ModelShape
+from .traces import MAX_CONTEXT_LEN
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_na
     lens = [int(n) for n in seq_lens]
     if not lens or min(lens) < 1:
         raise ValueError(f"seq_lens must be one or more positive lengths, got {seq_lens!r}")
+    if max(lens) > MAX_CONTEXT_LEN or sum(lens) >= 2**31:   # the planner's int32 positions
+        raise ValueError(f"seq_lens must be at most {MAX_CONTEXT_LEN} tokens a row and under 2^31 "
+                         f"in all, got {max(lens)} at most and {sum(lens)} in all")
     page = shape.page_size
     pages = np.array([-(-n // page) for n in lens])
     # a CSR page list, as the benchmark plans (FlashInfer's form: its length is the step's pages,
