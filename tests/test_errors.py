@@ -362,3 +362,9 @@ def test_page_table_takes_lists_and_checks_pad_to():
     assert table.block_table(pad_to=3)[0].tolist() == [[0, 0, 0], [2, 5, 0]]
     with pytest.raises(TypeError, match="pad_to must be an int, got float 2.5"):
         table.block_table(pad_to=2.5)
+
+
+def test_split_pages_must_fit_int32_tokens(case):
+    with pytest.raises(ValueError, match=r"split_pages x page_size must be under 2\^31 tokens, got "
+                                         r"split_pages=1099511627776 at page_size="):
+        planned(case, backend="split", split_pages=2**40)

@@ -259,6 +259,9 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if split_pages is not None:
         split_pages = check_positive_int("split_pages", split_pages)
+        if split_pages * page_size >= 2**31:   # the kernels' int32 token positions
+            raise ValueError(f"split_pages x page_size must be under 2^31 tokens, got "
+                             f"split_pages={split_pages} at page_size={page_size}")
     for name, flag in (("deterministic", deterministic), ("check_page_table", check_page_table)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
