@@ -390,3 +390,22 @@ def test_gpu_capture_graph_dumps_its_nodes_and_replays(tmp_path):
     graph.replay()
     torch.cuda.synchronize()
     assert x[0].item() == before + 1.0
+
+
+def test_sweep_checks_its_spec_and_cells_before_it_runs(tmp_path):
+    from persistentkv.bench.sweep import config_grid, run_sweep
+
+    assert [(b, c.block_n) for b, c in config_grid({"block_n": [32, 64],
+                                                     "backend": ["split", "auto"]})] == \
+        [("split", 32), ("auto", 32), ("split", 64), ("auto", 64)]
+    for spec, match in (([1, 2], "spec must be a JSON object of lists"),
+                        ({"block_n": 32}, r"spec\['block_n'\] must be a non-empty list, got 32"),
+                        ({"blockn": [32]}, "spec key 'blockn' is no KernelConfig field"),
+                        ({"backend": "split"}, r"spec\['backend'\] must be a non-empty list"),
+                        ({"backend": ["workqueue"]}, r"must list backends of .*\['workqueue'\]"),
+                        ({"num_warps": [0]}, "spec gives a KernelConfig it refuses")):
+        with pytest.raises(ValueError, match=match):
+            config_grid(spec)
+    with pytest.raises(ValueError, match=r"cells must be one or more of .*got \['nope'\]"):
+        run_sweep(device=torch.device("cpu"), cells=["nope"], spec={}, shape=SHAPE,
+                  out_path=tmp_path / "s.json")

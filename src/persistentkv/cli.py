@@ -135,8 +135,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from .bench.sweep import SWEEP_CELLS, run_sweep
 
-    cells = args.cells.split(",") if args.cells else list(SWEEP_CELLS)
-    run_sweep(device=torch.device("cuda"), cells=cells, spec=json.loads(args.spec),
+    cells = [c for c in args.cells.split(",") if c] if args.cells else list(SWEEP_CELLS)
+    try:
+        spec = json.loads(args.spec)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--spec must be JSON, got {args.spec!r}: {err}") from None
+    run_sweep(device=torch.device("cuda"), cells=cells, spec=spec,
               shape=model_shape(args), out_path=Path(args.out))
     return 0
 

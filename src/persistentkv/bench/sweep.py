@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..tuning import KernelConfig
+from ..wrapper import BACKENDS
 from .backends import PersistentKV
 from .measure import graph_time_per_layer, kv_bytes_per_layer, reference_output
 from .results import environment, results_json
@@ -27,11 +28,28 @@ L2_ROTATION_BYTES = 256e6   # enough layers that one step's KV across them is se
 def config_grid(spec: dict[str, list]) -> list[tuple[str, KernelConfig]]:
     """(backend, config) pairs from lists of values per KernelConfig field plus 'backend' (our
     wrapper backends; default: "split", the split rule)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"spec must be a JSON object of lists, got {spec!r}")
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    for key, values in spec.items():
+        if key != "backend" and key not in fields:
+            raise ValueError(f"spec key {key!r} is no KernelConfig field (fields: "
+                             f"{sorted(fields)}) nor 'backend'")
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"spec[{key!r}] must be a non-empty list, got {values!r}")
+    spec = dict(spec)
     backends = spec.pop("backend", ["split"])
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"spec['backend'] must list backends of {BACKENDS}, got {unknown}")
     keys = list(spec)
     out = []
     for values in itertools.product(*(spec[k] for k in keys)):
-        cfg = KernelConfig(**dict(zip(keys, values)))
+        try:
+            cfg = KernelConfig(**dict(zip(keys, values)))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"spec gives a KernelConfig it refuses, {dict(zip(keys, values))}: "
+                             f"{err}") from None
         out.extend((b, cfg) for b in backends)
     return out
 
@@ -39,7 +57,10 @@ def config_grid(spec: dict[str, list]) -> list[tuple[str, KernelConfig]]:
 def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], shape: ModelShape,
               out_path: Path, reps: int = 10) -> list[dict]:
     rows = []
-    candidates = config_grid(dict(spec))
+    candidates = config_grid(spec)
+    unknown = [c for c in cells if c not in SWEEP_CELLS]
+    if not cells or unknown:
+        raise ValueError(f"cells must be one or more of {list(SWEEP_CELLS)}, got {cells}")
     for cell in cells:
         lens = SWEEP_CELLS[cell]
         per_layer = sum(lens) * shape.bytes_per_token()
