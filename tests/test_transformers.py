@@ -278,6 +278,31 @@ def test_bad_steps_are_refused_before_the_cache_is_written():
         assert not pages.any() and not cache.value_cache[0].any()
 
 
+def test_a_negative_soft_cap_caps_as_its_magnitude(monkeypatch):
+    """cap * tanh(s / cap) is odd in cap (as transformers' eager Gemma-2 computes it): the rows
+    run with |cap|."""
+    from types import SimpleNamespace
+
+    from persistentkv.integrations import transformers as integration
+
+    seen = []
+    state = SimpleNamespace(staging=None, cache_rows=SimpleNamespace(
+        run=lambda q, pool, out, **variant: seen.append(variant["soft_cap"])))
+    monkeypatch.setattr(integration, "_split_groups",
+                        lambda plans, *args: plans.update({0: state}))
+    pages = torch.zeros(8, 2, 16, dtype=torch.float16)
+    cache = SimpleNamespace(num_key_value_heads=2, head_dim=16, block_size=4,
+                            layer_index_to_group_indices={0: (0, 0)}, sliding_windows={0: 1},
+                            key_cache=[pages], value_cache=[pages.clone()])
+    module = SimpleNamespace(layer_idx=0, scaling=0.25, config=SimpleNamespace())
+    q, kv = torch.ones(1, 4, 2, 16, dtype=torch.float16), torch.ones(1, 2, 2, 16,
+                                                                      dtype=torch.float16)
+    paged_attention_forward(module, q, kv, kv, None, cache=cache, softcap=-2.0,
+                            cu_seq_lens_q=torch.tensor([0, 2]), cu_seq_lens_k=torch.tensor([0, 2]),
+                            write_index=[torch.tensor([0, 1])])
+    assert seen == [2.0]
+
+
 def test_e2e_model_shapes():
     """Each model of `persistentkv e2e` is built as named (on the meta device: no memory)."""
     from persistentkv.bench.e2e import MODELS, build_model
