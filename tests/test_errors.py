@@ -346,7 +346,8 @@ def test_num_sms_sizes_the_grid_and_the_split_rule():
      r"row 0 has 2 pages for seq_lens\[0\]=100 tokens; pages of 4 need 25"),
     (dict(row_pages=([0], [1]), seq_lens=[3]), ValueError,
      r"seq_lens must hold one length per row \(2\), got shape \[1\]"),
-    (dict(row_pages=([0],), seq_lens=[3], page_size=0), ValueError, "page_size must be >= 1, got 0"),
+    (dict(row_pages=([0],), seq_lens=[3], page_size=0), ValueError,
+     "page_size must be >= 1, got 0"),
     (dict(row_pages=([0.5],), seq_lens=[3]), TypeError, r"row_pages\[0\] must be a 1-D integer"),
     (dict(row_pages=([],), seq_lens=[-1]), ValueError, "seq_lens must be >= 0, got -1"),
 ])

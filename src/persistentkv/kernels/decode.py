@@ -403,12 +403,12 @@ def _store_partial(o, lse2, slot, part_rows, offs_d, mask, g_mask, part_o_ptr, p
 def _merge_split(o, lse2, task, head_item, q_start, n_q, part_rows, offs_d, mask, g_mask, d_mask,
                  buffers, strides, num_q_rows, tile, feat):
     """Write the task's partial (split `split` of the row's num_splits: Task) to slot slot_start +
-    split; the task that completes a row's partials merges them. A row of more than ONE_LEVEL_SPLITS splits S merges in two levels of
-    about sqrt(S) partials each, not one of S (one program's merge is a chain of memory round
-    trips): each group of ceil(sqrt(S)) splits is merged by the task completing it into the
-    group's first slot, and the task completing the groups merges those. Counters (int32
-    [slots, HEAD_ITEMS], by slot and head item): a group's at its first slot, the
-    row's at the row's first slot, or its second one when it merges in two levels. A slot holds
+    split; the task that completes a row's partials merges them. A row of more than
+    ONE_LEVEL_SPLITS splits S merges in two levels of about sqrt(S) partials each, not one of S
+    (one program's merge is a chain of memory round trips): each group of ceil(sqrt(S)) splits
+    is merged by the task completing it into the group's first slot, and the task completing
+    the groups merges those. Counters (int32 [slots, HEAD_ITEMS], by slot and head item): a
+    group's at its first slot, the row's at the row's first slot, or its second one when it merges in two levels. A slot holds
     Q_PAD x Hq rows (query token j, head h at j * Hq + h); the merge tile has G_MERGE rows, the
     M-block's share of Q_PAD x GROUP (each M-block merges its own rows), and the value block's
     columns offs_d (D_PAD of them: each value block merges its own). The value blocks' lse are
