@@ -48,6 +48,7 @@ from persistentkv.cli import main
     (["e2e", "--requests", "0"], "--requests expects one or more integers >= 1, got '0'"),
     (["e2e", "--new-tokens", "-3"], "--new-tokens must be >= 1, got -3"),
     (["bench", "--memory-gb", "inf"], "memory budget must be > 0 GB, got inf"),
+    (["demo", "--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
     (["bench", "--grid", "--q-len", "\u00b2"], "q_len must be 1 to 16 or 'mix', got '\u00b2'"),
     (["bench", "--grid", "--trace-file", "t.csv"], "--trace-file t.csv replays its own trace"),
     (["explain", "--seq-lens", "3000000000"], "seq_lens must be at most 4194304 tokens a row"),

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_case import DEVICE, ON_GPU
+from paged_case import DEVICE, ON_GPU, csr_kwargs, make_case
 from persistentkv import (TOLERANCE, DecodeWrapper, PagedKVCache, PageTable, reference_decode,
                           relative_error)
 from persistentkv.bench.traces import make_trace, replay
@@ -323,3 +323,27 @@ def test_one_captured_graph_replays_a_whole_trace(form):
         for req in step.finished:
             cache.free_sequence(req)
     assert checked > 10
+
+
+def test_a_checked_plan_first_leaves_room_for_trusted_plans():
+    """Graph mode sizes the page guard's copy at the first plan() even when that plan checks its
+    table on the host (needing no copy): a trusted plan after it fits and matches the reference."""
+    case = make_case(seq_lens=[20, 9], **HEADS, layout="HND")
+    w = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=2, max_num_pages=8)
+    w.plan(**csr_kwargs(case.table), **HEADS, check_page_table=True)
+    checked = w.run(case.q, case.kv_cache)
+    w.plan(**csr_kwargs(case.table), **HEADS)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="HND", **csr_kwargs(case.table))
+    assert relative_error(w.run(case.q, case.kv_cache), ref) <= TOLERANCE[torch.float16]
+    assert relative_error(checked, ref) <= TOLERANCE[torch.float16]
+
+
+def test_block_table_rows_further_apart_than_max_num_pages_are_named():
+    case = make_case(seq_lens=[20, 9], **HEADS, layout="HND")
+    table, seq_lens = case.table.block_table(DEVICE, pad_to=3)
+    wide = torch.zeros(2, 10, dtype=torch.int32, device=DEVICE)
+    wide[:, :3] = table
+    w = DecodeWrapper("HND", use_cuda_graph=True, max_batch_size=2, max_num_pages=6)
+    with pytest.raises(ValueError, match=r"block_table's rows are 10 entries apart: its 2 rows of "
+                                         r"3 span 13 entries, over max_num_pages=6"):
+        w.plan(block_table=wide[:, :3], seq_lens=seq_lens, **HEADS)

@@ -292,3 +292,28 @@ def test_partials_are_sized_by_the_bins_each_choice_decides():
     wrapper.run(one.q, one.kv_cache, out=out)
     ref, _ = reference_decode(one.q, one.kv_cache, layout="NHD", **csr_kwargs(one.table))
     assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(gpu=5), TypeError, "Policy.gpu must be a GPU name"),
+    (dict(shape=(4, 2)), ValueError, r"Policy.shape must be None or .*got \(4, 2\)"),
+    (dict(shape=(True, True, 16)), ValueError, "Policy.shape must be None or"),
+    (dict(table={"r0-l0-s0": "split@4"}), TypeError,
+     r"Policy.table\['r0-l0-s0'\] must be a schedule.Choice, got 'split@4'"),
+    (dict(table={"r0-l0-s0": Choice("split", 2**40)}), ValueError, "splits at 1099511627776 pages"),
+])
+def test_policy_checks_its_fields(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Policy(**{"gpu": "X", **kwargs})
+
+
+def test_policy_files_name_themselves_when_malformed(tmp_path):
+    for text, match in (("", "not a policy file"), ('{"gpu": "X", "table": {}, "shape": [4.7, 2, 16]}',
+                                                     "Policy.shape must be"),
+                        ('{"gpu": "X", "table": {"r0-l0-s0": "split@\u0663"}}',
+                         "split pages must be an int")):
+        path = tmp_path / "p.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match) as err:
+            load_policy("X", path)
+        assert str(path) in str(err.value)

@@ -22,6 +22,8 @@ def choose_device() -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not 0 <= args.seed < 2**32:   # torch's and the allocator's seeds
+        raise ValueError(f"--seed must be in [0, 2^32), got {args.seed}")
     device = choose_device()
     from .demo import run_demo
 

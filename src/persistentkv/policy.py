@@ -100,6 +100,23 @@ class Policy:
                                            or self.page_size < 1):
             raise ValueError(f"Policy.page_size must be a positive int or None, "
                              f"got {self.page_size!r}")
+        if not isinstance(self.gpu, str):
+            raise TypeError(f"Policy.gpu must be a GPU name (str), got {self.gpu!r}")
+        if self.shape is not None:
+            if (not isinstance(self.shape, (tuple, list)) or len(self.shape) != 3
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                           for n in self.shape)):
+                raise ValueError(f"Policy.shape must be None or (num_qo_heads, num_kv_heads, "
+                                 f"head_dim), three positive ints, got {self.shape!r}")
+            self.shape = tuple(self.shape)
+        most_pages = 2**31 // (self.page_size or 1)     # the kernels' int32 token positions
+        for key, choice in self.table.items():
+            if not isinstance(choice, Choice):
+                raise TypeError(f"Policy.table[{key!r}] must be a schedule.Choice, got "
+                                f"{choice!r}")
+            if choice.split_pages is not None and choice.split_pages >= most_pages:
+                raise ValueError(f"Policy.table[{key!r}] splits at {choice.split_pages} pages: "
+                                 f"at most {most_pages - 1}")
 
     def applies_to(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return self.shape is None or tuple(self.shape) == (num_qo_heads, num_kv_heads, head_dim)
@@ -146,12 +163,10 @@ class Policy:
 
     @classmethod
     def from_json(cls, text: str) -> "Policy":
-        data = json.loads(text)
         try:
-            shape = data.get("shape")
+            data = json.loads(text)
             return cls(gpu=data["gpu"], table={k: parse_choice(v) for k, v in data["table"].items()},
-                       fit=data.get("fit", {}),
-                       shape=None if shape is None else tuple(int(x) for x in shape),
+                       fit=data.get("fit", {}), shape=data.get("shape"),
                        page_size=data.get("page_size"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a policy file: {exc}") from None
@@ -163,7 +178,7 @@ class Policy:
 def parse_choice(text: str) -> Choice:
     """'split@16' -> Choice('split', 16); 'grouped' -> Choice('grouped')."""
     schedule, _, pages = text.partition("@")
-    if pages and not pages.isdigit():
+    if pages and not (pages.isascii() and pages.isdigit()):
         raise ValueError(f"split pages must be an int, got {text!r}")
     return Choice(schedule, int(pages) if pages else None)
 
@@ -183,7 +198,10 @@ def load_policy(gpu_name: str, path: str | Path | None = None, *,
     at `shape`, else the GPU's general file (which applies at the shape it names,
     Policy.shape); the fallback-only policy when there is none."""
     if path is not None:
-        return Policy.from_json(Path(path).read_text())
+        try:
+            return Policy.from_json(Path(path).read_text())
+        except ValueError as exc:
+            raise ValueError(f"{str(path)!r}: {exc}") from None
     shipped = resources.files("persistentkv") / "policies"
     names = [policy_file_name(gpu_name, shape, kv_fp8=True)] if shape and kv_fp8 else []
     for name in names + ([policy_file_name(gpu_name, shape)] if shape else []) + [policy_file_name(gpu_name)]:
