@@ -308,8 +308,8 @@ def test_policy_checks_its_fields(kwargs, error, match):
 
 
 def test_policy_files_name_themselves_when_malformed(tmp_path):
-    for text, match in (("", "not a policy file"), ('{"gpu": "X", "table": {}, "shape": [4.7, 2, 16]}',
-                                                     "Policy.shape must be"),
+    for text, match in (("", "not a policy file"),
+                        ('{"gpu": "X", "table": {}, "shape": [4.7, 2, 16]}', "Policy.shape must be"),
                         ('{"gpu": "X", "table": {"r0-l0-s0": "split@\u0663"}}',
                          "split pages must be an int")):
         path = tmp_path / "p.json"
