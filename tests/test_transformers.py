@@ -2,6 +2,8 @@
 same greedy tokens as transformers' own "paged|sdpa", with prompts shorter and longer than 16
 tokens, every step through PersistentKV's kernel (prompts as rows of 16 queries; in window layers
 staged); models with windows, sinks and soft-cap give transformers' eager tokens."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -247,10 +249,10 @@ def test_outside_continuous_batching_and_float32_are_refused():
                                 cache=object())
 
 
-def test_bad_steps_are_refused_before_the_cache_is_written():
-    """Each names what is wrong, and the cache's pages are as they were."""
-    from types import SimpleNamespace
-
+def _one_layer_step():
+    """(cache, module, q, kv, step metadata) of one layer's step of two new tokens, with a cache
+    object that has only what paged_attention_forward reads (pages of 4 slots, 2 KV heads,
+    head dim 16, 4 query heads)."""
     pages = torch.zeros(8, 2, 16, dtype=torch.float16)
     cache = SimpleNamespace(num_key_value_heads=2, head_dim=16, block_size=4,
                             layer_index_to_group_indices={0: (0, 0)}, sliding_windows={0: 1},
@@ -260,6 +262,13 @@ def test_bad_steps_are_refused_before_the_cache_is_written():
                                                                       dtype=torch.float16)
     meta = dict(cu_seq_lens_q=torch.tensor([0, 2]), cu_seq_lens_k=torch.tensor([0, 2]),
                 write_index=[torch.tensor([0, 1])])
+    return cache, module, q, kv, meta
+
+
+def test_bad_steps_are_refused_before_the_cache_is_written():
+    """Each names what is wrong, and the cache's pages are as they were."""
+    cache, module, q, kv, meta = _one_layer_step()
+    pages = cache.key_cache[0]
     cases = [
         (module, q, {**meta, "write_index": None}, "needs continuous batching's write_index"),
         (module, q, {**meta, "cu_seq_lens_k": None}, "needs continuous batching's cu_seq_lens_k"),
@@ -281,8 +290,6 @@ def test_bad_steps_are_refused_before_the_cache_is_written():
 def test_a_negative_soft_cap_caps_as_its_magnitude(monkeypatch):
     """cap * tanh(s / cap) is odd in cap (as transformers' eager Gemma-2 computes it): the rows
     run with |cap|."""
-    from types import SimpleNamespace
-
     from persistentkv.integrations import transformers as integration
 
     seen = []
@@ -290,16 +297,8 @@ def test_a_negative_soft_cap_caps_as_its_magnitude(monkeypatch):
         run=lambda q, pool, out, **variant: seen.append(variant["soft_cap"])))
     monkeypatch.setattr(integration, "_split_groups",
                         lambda plans, *args: plans.update({0: state}))
-    pages = torch.zeros(8, 2, 16, dtype=torch.float16)
-    cache = SimpleNamespace(num_key_value_heads=2, head_dim=16, block_size=4,
-                            layer_index_to_group_indices={0: (0, 0)}, sliding_windows={0: 1},
-                            key_cache=[pages], value_cache=[pages.clone()])
-    module = SimpleNamespace(layer_idx=0, scaling=0.25, config=SimpleNamespace())
-    q, kv = torch.ones(1, 4, 2, 16, dtype=torch.float16), torch.ones(1, 2, 2, 16,
-                                                                      dtype=torch.float16)
-    paged_attention_forward(module, q, kv, kv, None, cache=cache, softcap=-2.0,
-                            cu_seq_lens_q=torch.tensor([0, 2]), cu_seq_lens_k=torch.tensor([0, 2]),
-                            write_index=[torch.tensor([0, 1])])
+    cache, module, q, kv, meta = _one_layer_step()
+    paged_attention_forward(module, q, kv, kv, None, cache=cache, softcap=-2.0, **meta)
     assert seen == [2.0]
 
 

@@ -221,9 +221,10 @@ class Planner:
         if self.fixed_pages is not None and table.pages > self.fixed_pages:
             raise ValueError(f"the page table holds {table.pages} page entries, over "
                              f"max_num_pages={self.fixed_pages}")
-        if self.fixed_pages is not None and guarded_extent(table) > self.fixed_pages:
+        extent = guarded_extent(table)      # the entries the guard copies
+        if self.fixed_pages is not None and extent > self.fixed_pages:
             raise ValueError(f"block_table's rows are {table.row_stride} entries apart: its "
-                             f"{table.rows} rows of {table.width} span {guarded_extent(table)} "
+                             f"{table.rows} rows of {table.width} span {extent} "
                              f"entries, over max_num_pages={self.fixed_pages} (pass rows that "
                              f"are contiguous, or a larger max_num_pages)")
         q_pad = 1 if queries is None else queries.max_per_row
@@ -254,7 +255,7 @@ class Planner:
                         tile_rows=q_pad * (options.num_qo_heads // options.num_kv_heads)),
                     # graph mode sizes the guard's copy for any later plan, checked or not
                     pages=0 if options.check_page_table and self.fixed_pages is None
-                    else max(guarded_extent(table), self.fixed_pages or 0))
+                    else max(extent, self.fixed_pages or 0))
         if ws is None or ws.device != device:
             ws = self.workspace = Workspace(device)
         if not ws.fits(**need):
