@@ -240,16 +240,56 @@ def test_out_of_pool_page_indices_read_page_0_and_are_counted(form, bad_page):
         wrapper.run(case.q, case.kv_cache, out=out)
     ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(as_read))
     assert relative_error(out, ref) <= TOLERANCE[torch.float16]
-    with pytest.raises(ValueError, match=r"^1 used page-table entries since the last check\(\) were"):
+    with pytest.raises(ValueError,
+                       match=r"^since the last check\(\), 1 used page-table entries were outside"):
         wrapper.check()
     wrapper.check()                                          # reset: quiet until the next one
     wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1)
     wrapper.run(case.q, case.kv_cache)                       # a new step copies and counts again
-    with pytest.raises(ValueError, match=r"^1 used page-table entries"):
+    with pytest.raises(ValueError, match=r"^since the last check\(\), 1 used page-table entries"):
         wrapper.check()
     with pytest.raises(ValueError, match=r"outside the pool of \d+ pages|is negative"):
         wrapper.plan(**kwargs, **HEADS, check_page_table=True)
         wrapper.run(case.q, case.kv_cache)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-mode"])
+@pytest.mark.parametrize("form", ["csr", "block"])
+def test_rows_longer_than_their_table_are_cut_and_counted(form, graph):
+    """A trusted table whose lengths it cannot hold: row 1 runs past its pages (seq_lens past
+    block_table's width, or kv_last_page_len past page_size), and row 2's length is negative
+    (block) or kv_indptr[-1] is past kv_indices (CSR). Each row is cut to what its table holds
+    (no read past it), the other rows are right, and check() counts the rows once per plan."""
+    from paged_case import block_kwargs
+
+    case = make_case(seq_lens=[40, 70, 33], **HEADS)
+    if form == "csr":
+        kwargs = csr_kwargs(case.table)
+        kwargs["kv_last_page_len"][1] = 17
+        kwargs["kv_indptr"][3] += 5
+    else:
+        kwargs = block_kwargs(case.table)
+        assert kwargs["block_table"].shape[1] == 5                 # row 1's five pages
+        kwargs["seq_lens"][1] = 90
+        kwargs["seq_lens"][2] = -3
+    as_read = PageTable(row_pages=case.table.row_pages, seq_lens=np.asarray([40, 80, 33]),
+                        page_size=16)
+    kw = dict(use_cuda_graph=True, max_batch_size=3, max_num_pages=32) if graph else {}
+    wrapper = DecodeWrapper("NHD", **kw)
+    for _ in range(2):
+        wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1)
+        out = torch.full_like(case.q, float("nan"))
+        wrapper.run(case.q, case.kv_cache, out=out)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(as_read))
+    kept = [0, 1, 2] if form == "csr" else [0, 1]             # block row 2 is empty: not written
+    assert relative_error(out[kept], ref[kept]) <= TOLERANCE[torch.float16]
+    with pytest.raises(ValueError, match=r"^since the last check\(\), 4 rows had lengths their "
+                                         r"page table cannot hold"):
+        wrapper.check()
+    wrapper.check()                                          # reset
+    with pytest.raises(ValueError,
+                       match=r"kv_indptr\[-1\]=16 is past|seq_lens\[2\]=-3 is negative"):
+        wrapper.plan(**kwargs, **HEADS, check_page_table=True)
 
 
 def test_page_guard_copies_refilled_tables_and_ignores_padding():
@@ -271,7 +311,7 @@ def test_page_guard_copies_refilled_tables_and_ignores_padding():
     table[0, 1] = 10**7                                      # a used entry: counted
     wrapper.plan(**kwargs, **HEADS)
     wrapper.run(case.q, case.kv_cache)
-    with pytest.raises(ValueError, match=r"^1 used page-table entries"):
+    with pytest.raises(ValueError, match=r"^since the last check\(\), 1 used page-table entries"):
         wrapper.check()
     table.copy_(good)
     wrapper.plan(**kwargs, **HEADS)

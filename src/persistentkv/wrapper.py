@@ -97,17 +97,28 @@ class DecodeWrapper:
                                         kv_fp8=plan.kv_data_type == FP8)
 
     def check(self) -> None:
-        """ValueError when a step since the last check() had page-table entries outside the pool.
+        """ValueError when a step since the last check() had a page table its values do not fit:
+        used entries outside the pool, or rows whose lengths the table cannot hold.
         A table whose values plan() did not check (check_page_table=False, graph mode) is read
         through a guarded copy: an entry outside the pool reads page 0 instead (that row's output
-        is wrong) and is counted on the device. check() reads the count (one device read, a
-        synchronization, where the caller chooses: after a step, or every N steps) and resets it."""
+        is wrong), and a row longer than its table (seq_lens past block_table's width, negative,
+        or kv_indptr / kv_last_page_len out of range) is cut to what the table holds; both are
+        counted on the device. check() reads the counts (one device read, a synchronization,
+        where the caller chooses: after a step, or every N steps) and resets them."""
         ws = self._planner.workspace
-        count = 0 if ws is None else int(ws.info[6])
-        if count:
-            ws.info[6].zero_()
-            raise ValueError(f"{count} used page-table entries since the last check() were outside "
-                             f"the pool (they read page 0): the page table is wrong")
+        outside, cut = (0, 0) if ws is None else ws.info[6:8].tolist()
+        if not (outside or cut):
+            return
+        ws.info[6:8].zero_()
+        found = []
+        if outside:
+            found.append(f"{outside} used page-table entries were outside the pool (they read "
+                         f"page 0)")
+        if cut:
+            found.append(f"{cut} rows had lengths their page table cannot hold (seq_lens past "
+                         f"block_table's width or negative, or kv_indptr / kv_last_page_len out "
+                         f"of range; they were cut to the table)")
+        raise ValueError(f"since the last check(), {' and '.join(found)}: the page table is wrong")
 
     @property
     def compiled_kernels(self) -> tuple:

@@ -12,7 +12,8 @@ TASK_FIELDS = 8   # int32 per task record: (row, split, tok_lo, tok_hi, page_sta
                   # num_splits, next task of the same chunk or -1)
 INFO_FIELDS = 8   # int32 plan info: (task count, split tokens, choice code, claim counter,
                   # tasks that did not fit, chunks of a balanced plan (0: none), used page-table
-                  # entries outside the pool (the page guard's; never reset here), unused)
+                  # entries outside the pool (the page guard's), rows whose lengths the table
+                  # cannot hold (added to by every plan); the last two are reset by check() only)
 BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
 POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 
@@ -125,7 +126,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
 
     Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
     pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
-    Lengths are clamped to what the table holds, so a bad table cannot send a read past it.
+    Lengths are clamped to what the table holds, so a bad table cannot send a read past it;
+    program 0 adds the rows clamped (or with offsets out of order) to info[7] (check()).
     A sliding window (window_tokens >= 0: the most positions a row's queries see, window_left +
     the tile's query count) drops each row's whole pages before its last window_tokens
     positions: the row then starts at its first kept page (page start and length move by the
@@ -147,14 +149,21 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     offs = tl.arange(0, BLOCK_ROWS)
     in_batch = offs < num_rows
     if CSR:
-        lo = tl.minimum(tl.maximum(tl.load(indptr_ptr + offs, mask=in_batch, other=0), 0), num_indices)
-        hi = tl.minimum(tl.load(indptr_ptr + offs + 1, mask=in_batch, other=0), num_indices)
-        last = tl.minimum(tl.maximum(tl.load(last_ptr + offs, mask=in_batch, other=1), 1), PAGE_SIZE)
+        lo_given = tl.load(indptr_ptr + offs, mask=in_batch, other=0)
+        hi_given = tl.load(indptr_ptr + offs + 1, mask=in_batch, other=0)
+        last_given = tl.load(last_ptr + offs, mask=in_batch, other=1)
+        lo = tl.minimum(tl.maximum(lo_given, 0), num_indices)
+        hi = tl.minimum(hi_given, num_indices)
+        last = tl.minimum(tl.maximum(last_given, 1), PAGE_SIZE)
         lens = tl.where(hi > lo, (hi - lo - 1) * PAGE_SIZE + last, 0)
+        cut = (lo_given < 0) | (hi_given > num_indices) | (hi_given < lo_given) | (
+            (hi_given > lo_given) & (last != last_given))
     else:
         lo = offs * block_table_stride
-        lens = tl.load(lens_ptr + offs, mask=in_batch, other=0)
-        lens = tl.minimum(tl.maximum(lens, 0), block_table_width * PAGE_SIZE)
+        lens_given = tl.load(lens_ptr + offs, mask=in_batch, other=0)
+        lens = tl.minimum(tl.maximum(lens_given, 0), block_table_width * PAGE_SIZE)
+        cut = lens != lens_given
+    cut_rows = tl.sum((cut & in_batch).to(tl.int32), axis=0)
     dropped = tl.where(window_tokens >= 0, tl.maximum(lens - window_tokens, 0) // PAGE_SIZE, 0)
     lo = lo + dropped
     lens = lens - dropped * PAGE_SIZE
@@ -198,6 +207,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
         tl.store(info_ptr + 3, 0)                        # the decode kernel's claim counter
         tl.store(info_ptr + 4, tl.where(fits, 0, num_tasks))
         tl.store(info_ptr + 5, tl.where(fits, num_chunks, 0))
+        if cut_rows > 0:
+            tl.store(info_ptr + 7, tl.load(info_ptr + 7) + cut_rows)
 
 
 @triton.jit
