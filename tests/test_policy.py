@@ -12,6 +12,7 @@ from persistentkv.policy import (EDGES, Choice, Policy, StepFeatures, bin_of, fa
 
 FEATS = dict(num_kv_heads=8, head_dim=128, elem_size=2)
 SPLIT, SPLIT16, GROUPED = Choice("split"), Choice("split", 16), Choice("grouped")
+B0, B1 = "r0-l0-s0", "r1-l0-s0"   # two bins of the decision table
 
 
 def test_features_and_bins():
@@ -47,42 +48,42 @@ def _step(key, bin_, choice, us, status="ok", eager=None):
 
 
 def test_fit_picks_the_lowest_total_per_bin():
-    steps = [_step("a", "b0", SPLIT, 7), _step("a", "b0", SPLIT16, 5), _step("a", "b0", GROUPED, 6),
-             _step("b", "b0", SPLIT, 7), _step("b", "b0", SPLIT16, 5), _step("b", "b0", GROUPED, 5),
-             _step("c", "b1", Choice("split", 64), 1, status="failed"), _step("c", "b1", GROUPED, 3)]
+    steps = [_step("a", B0, SPLIT, 7), _step("a", B0, SPLIT16, 5), _step("a", B0, GROUPED, 6),
+             _step("b", B0, SPLIT, 7), _step("b", B0, SPLIT16, 5), _step("b", B0, GROUPED, 5),
+             _step("c", B1, Choice("split", 64), 1, status="failed"), _step("c", B1, GROUPED, 3)]
     policy = fit_policy(steps, gpu="X")
-    assert policy.table["b0"] == SPLIT16                  # 10 against 11 and 14
-    assert policy.table["b1"] == GROUPED                  # a failed candidate never wins
-    assert policy.fit["bins"]["b0"]["best"] == "split@16" and policy.fit["bins"]["b0"]["steps"] == 2
+    assert policy.table[B0] == SPLIT16                  # 10 against 11 and 14
+    assert policy.table[B1] == GROUPED                  # a failed candidate never wins
+    assert policy.fit["bins"][B0]["best"] == "split@16" and policy.fit["bins"][B0]["steps"] == 2
     eager = fit_policy(steps, gpu="X", objective="eager_us")
-    assert eager.table["b0"] == SPLIT16
+    assert eager.table[B0] == SPLIT16
     with pytest.raises(ValueError, match="objective"):
         fit_policy(steps, gpu="X", objective="p50")
 
 
 def test_fit_keeps_the_default_rule_within_the_tie_tolerance():
     """A bin moves off the default split rule only for a gain over tie_tolerance."""
-    steps = [_step(k, "b0", c, us) for k in "ab" for c, us in ((SPLIT, 101), (SPLIT16, 100),
+    steps = [_step(k, B0, c, us) for k in "ab" for c, us in ((SPLIT, 101), (SPLIT16, 100),
                                                              (GROUPED, 104))]
-    assert fit_policy(steps, gpu="X").table["b0"] == SPLIT                # 1% slower: kept
-    assert fit_policy(steps, gpu="X", tie_tolerance=0.0).table["b0"] == SPLIT16
-    slow_default = [_step(k, "b0", c, us) for k in "ab" for c, us in ((SPLIT, 110), (SPLIT16, 100))]
-    assert fit_policy(slow_default, gpu="X").table["b0"] == SPLIT16
+    assert fit_policy(steps, gpu="X").table[B0] == SPLIT                # 1% slower: kept
+    assert fit_policy(steps, gpu="X", tie_tolerance=0.0).table[B0] == SPLIT16
+    slow_default = [_step(k, B0, c, us) for k in "ab" for c, us in ((SPLIT, 110), (SPLIT16, 100))]
+    assert fit_policy(slow_default, gpu="X").table[B0] == SPLIT16
     # a candidate missing from some of the bin's steps cannot win
-    partial = [_step("a", "b0", SPLIT, 9), _step("b", "b0", SPLIT, 9), _step("a", "b0", GROUPED, 1)]
-    assert fit_policy(partial, gpu="X").table["b0"] == SPLIT
+    partial = [_step("a", B0, SPLIT, 9), _step("b", B0, SPLIT, 9), _step("a", B0, GROUPED, 1)]
+    assert fit_policy(partial, gpu="X").table[B0] == SPLIT
 
 
 def test_fit_keeps_the_default_rule_in_a_bin_of_one_step():
     """One calibration step is not enough to move a bin off the default rule, however large
     the gain it shows; min_bin_steps=1 takes it, and a bad min_bin_steps is refused."""
-    one = [_step("a", "b0", SPLIT, 150), _step("a", "b0", SPLIT16, 100)]
+    one = [_step("a", B0, SPLIT, 150), _step("a", B0, SPLIT16, 100)]
     policy = fit_policy(one, gpu="X")
-    assert policy.table["b0"] == SPLIT and policy.fit["min_bin_steps"] == 2
-    assert policy.fit["bins"]["b0"] == {"steps": 1, "best": "split", "median_us": 150}
-    assert fit_policy(one, gpu="X", min_bin_steps=1).table["b0"] == SPLIT16
-    two = one + [_step("b", "b0", SPLIT, 150), _step("b", "b0", SPLIT16, 100)]
-    assert fit_policy(two, gpu="X").table["b0"] == SPLIT16
+    assert policy.table[B0] == SPLIT and policy.fit["min_bin_steps"] == 2
+    assert policy.fit["bins"][B0] == {"steps": 1, "best": "split", "median_us": 150}
+    assert fit_policy(one, gpu="X", min_bin_steps=1).table[B0] == SPLIT16
+    two = one + [_step("b", B0, SPLIT, 150), _step("b", B0, SPLIT16, 100)]
+    assert fit_policy(two, gpu="X").table[B0] == SPLIT16
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="min_bin_steps"):
             fit_policy(one, gpu="X", min_bin_steps=bad)
@@ -301,6 +302,9 @@ def test_partials_are_sized_by_the_bins_each_choice_decides():
     (dict(table={"r0-l0-s0": "split@4"}), TypeError,
      r"Policy.table\['r0-l0-s0'\] must be a schedule.Choice, got 'split@4'"),
     (dict(table={"r0-l0-s0": Choice("split", 2**40)}), ValueError, "splits at 1099511627776 pages"),
+    (dict(table={"r5-l0-s0": Choice("split", 2)}), ValueError,
+     r"Policy.table key 'r5-l0-s0' is not a bin: keys are 'r<R>-l<L>-s<S>' with R in 0-4"),
+    (dict(table={"b0": Choice("split", 2)}), ValueError, "Policy.table key 'b0' is not a bin"),
 ])
 def test_policy_checks_its_fields(kwargs, error, match):
     with pytest.raises(error, match=match):

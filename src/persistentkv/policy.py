@@ -74,6 +74,9 @@ def _bin_key(indices: tuple[int, ...]) -> str:
     return "-".join(f"{p}{i}" for p, i in zip("rls", indices))
 
 
+BINS = frozenset(map(_bin_key, itertools.product(*(range(len(edges) + 1) for edges in EDGES))))
+
+
 def fallback_choice() -> Choice:
     """For a GPU without a fitted policy: the default split rule, which already keeps rows whole
     when rows x KV heads fill the SMs (schedule.py)."""
@@ -111,6 +114,10 @@ class Policy:
             self.shape = tuple(self.shape)
         most_pages = 2**31 // (self.page_size or 1)     # the kernels' int32 token positions
         for key, choice in self.table.items():
+            if key not in BINS:
+                raise ValueError(f"Policy.table key {key!r} is not a bin: keys are 'r<R>-l<L>-s<S>' "
+                                 f"with R in 0-{len(ROW_EDGES)}, L in 0-{len(MAX_LEN_EDGES)} and "
+                                 f"S in 0-{len(SPREAD_EDGES)} (bin_of)")
             if not isinstance(choice, Choice):
                 raise TypeError(f"Policy.table[{key!r}] must be a schedule.Choice, got "
                                 f"{choice!r}")
