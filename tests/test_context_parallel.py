@@ -27,22 +27,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, placement, method, min_pages, result_path):
+def _variants(case) -> tuple[torch.Tensor, dict, dict]:
+    """An e4m3 copy of the case's pool with per-tensor scales, plan()'s soft-cap, and run()'s
+    scales and sinks (the same on every rank: drawn from the seeded generator)."""
+    from persistentkv.quant import FP8_MAX, quantize
+
+    x = case.kv_cache.float()
+    k_scale, v_scale = (float(x[:, i].abs().max()) / FP8_MAX for i in (0, 1))
+    pool = torch.stack([quantize(x[:, 0], k_scale), quantize(x[:, 1], v_scale)], dim=1)
+    sinks = torch.randn(HEADS["num_qo_heads"], dtype=torch.float32, device=case.q.device)
+    return pool, dict(logits_soft_cap=30.0), dict(k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+
+
+def _rank(rank, world, port, placement, method, min_pages, variants, result_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)                  # the same q and K/V on every rank
         case = make_case(seq_lens=LENS, **HEADS, layout="HND", seed=7)
+        pool, plan_extra, run_extra = _variants(case) if variants else (case.kv_cache, {}, {})
         share = shard_table(case.table, rank=rank, world_size=world, placement=placement,
                             min_pages_per_rank=min_pages)
         cp = ContextParallelDecode("HND", method=method)
-        cp.plan(**csr_kwargs(share), **HEADS, backend="split", split_pages=2)
-        out, lse = cp.run(case.q, case.kv_cache, return_lse=True)
-        ref, ref_lse = reference_decode(case.q, case.kv_cache, layout="HND",
-                                        **csr_kwargs(case.table))
+        cp.plan(**csr_kwargs(share), **HEADS, backend="split", split_pages=2, **plan_extra)
+        out, lse = cp.run(case.q, pool, return_lse=True, **run_extra)
+        ref, ref_lse = reference_decode(case.q, pool, layout="HND", **csr_kwargs(case.table),
+                                        **plan_extra, **run_extra)
         empty = [row for row, n in enumerate(LENS) if not n]     # (0, -inf), as the reference
+        empty_lse = run_extra["sinks"].expand(len(empty), -1) if variants else float("-inf")
         errors = (relative_error(out[ROWS], ref[ROWS]), relative_error(lse[ROWS], ref_lse[ROWS]),
-                  float((out[empty] == 0).all() and torch.isneginf(lse[empty]).all()))
+                  float((out[empty] == 0).all() and (lse[empty] == empty_lse).all()))
         gathered = [None] * world
         dist.all_gather_object(gathered, errors)
         if rank == 0:
@@ -52,14 +66,17 @@ def _rank(rank, world, port, placement, method, min_pages, result_path):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU test of the gloo path (a GPU run takes NCCL and 2 GPUs)")
-@pytest.mark.parametrize("world, placement, method, min_pages", [
-    (2, "contiguous", "all_gather", 1), (3, "interleaved", "all_reduce", 1),
-    (3, "contiguous", "all_gather", 1),
-    (2, "interleaved", "all_reduce", 5),      # only the 19-page row spread; 130 and 33 whole too
+@pytest.mark.parametrize("world, placement, method, min_pages, variants", [
+    (2, "contiguous", "all_gather", 1, False), (3, "interleaved", "all_reduce", 1, False),
+    (3, "contiguous", "all_gather", 1, False),
+    (2, "interleaved", "all_reduce", 5, False),   # only the 19-page row spread; 130, 33 whole too
+    (2, "interleaved", "all_gather", 1, True),    # e4m3 cache, soft-cap and sinks
+    (3, "contiguous", "all_reduce", 1, True),
 ])
-def test_ranks_merge_to_the_whole_rows(tmp_path, world, placement, method, min_pages):
+def test_ranks_merge_to_the_whole_rows(tmp_path, world, placement, method, min_pages, variants):
     path = str(tmp_path / "errors.npy")
-    mp.spawn(_rank, args=(world, _free_port(), placement, method, min_pages, path), nprocs=world)
+    mp.spawn(_rank, args=(world, _free_port(), placement, method, min_pages, variants, path),
+             nprocs=world)
     errors = np.load(path)
     assert errors.shape == (world, 3)
     assert (errors[:, 0] <= 2e-3).all() and (errors[:, 1] <= 1e-4).all(), errors
@@ -190,7 +207,14 @@ def test_context_parallel_bad_arguments():
     for bad in (1, "no"):
         with pytest.raises(TypeError, match=f"return_lse must be a bool, got {bad!r}"):
             cp.run(case.q, case.kv_cache, return_lse=bad)
+    with pytest.raises(ValueError, match=r"sinks must be a contiguous \[num_qo_heads\] = \[8\]"):
+        cp.run(case.q, case.kv_cache, sinks=torch.zeros(4, device=case.q.device))
+    with pytest.raises(TypeError, match="sinks must have dtype torch.float32, got torch.float16"):
+        cp.run(case.q, case.kv_cache, sinks=torch.zeros(8, dtype=torch.float16,
+                                                         device=case.q.device))
     o = torch.zeros(2, 8, 64)
+    with pytest.raises(ValueError, match=r"sinks must be a contiguous \[num_qo_heads\] = \[8\]"):
+        merge_across_ranks(o, torch.zeros(2, 8), sinks=torch.zeros(4))
     with pytest.raises(ValueError, match=r"lse must be \[B, Hq\] = \[2, 8\] on o's device"):
         merge_across_ranks(o, torch.zeros(2, 4))
     with pytest.raises(TypeError, match="lse must be a torch.Tensor, got ndarray"):

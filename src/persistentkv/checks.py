@@ -63,6 +63,15 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device}, but the page table was planned on {device}")
 
 
+def check_sinks(sinks: object, *, num_qo_heads: int, device: torch.device) -> None:
+    """sinks: a contiguous float32 [num_qo_heads] tensor on `device` (one logit per query head)."""
+    check_tensor("sinks", sinks, dtype=(torch.float32,), dim=1)
+    if tuple(sinks.shape) != (num_qo_heads,) or sinks.stride(0) != 1:
+        raise ValueError(f"sinks must be a contiguous [num_qo_heads] = [{num_qo_heads}] tensor, "
+                         f"got shape {list(sinks.shape)} and strides {sinks.stride()}")
+    check_same_device(device, sinks=sinks)
+
+
 def check_attention_shape(*, num_qo_heads: object, num_kv_heads: object, head_dim: object,
                           page_size: object) -> tuple[int, int, int, int]:
     """The heads, head dim and page size plan() takes, as ints."""

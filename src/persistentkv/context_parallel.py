@@ -13,9 +13,11 @@ per row, the softmax over a set of tokens does not depend on their order, and th
 merge exactly: out = sum_r e^(lse_r - M) o_r / sum_r e^(lse_r - M), lse = M + log(sum_r
 e^(lse_r - M)), the math of the in-launch merge. A rank with no tokens of a row contributes
 (0, -inf). The merge is an all-gather of (o, lse) ("all_gather") or three all-reduces of
-rescaled sums ("all_reduce"); NCCL on GPUs, gloo on CPUs. One query per row, no sliding window:
-positions would cross the shares. Tensor parallelism composes by heads: each tensor-parallel
-rank runs its own heads' context-parallel group.
+rescaled sums ("all_reduce"); NCCL on GPUs, gloo on CPUs. Soft-capping (a per-score function)
+and an fp8 cache (each rank's scales) apply in each rank's kernel; attention sinks join once, in
+the merge. One query per row, no sliding window: positions would cross the shares. Tensor
+parallelism composes by heads: each tensor-parallel rank runs its own heads' context-parallel
+group.
 
 Short rows stay whole on one rank: a row is spread only when every rank would get at least
 min_pages_per_rank of its pages; the others go whole, longest first, to the rank holding the fewest
@@ -29,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .checks import check_count, check_positive_int, check_tensor
+from .checks import check_count, check_positive_int, check_sinks, check_tensor
 from .page_table import PageTable
 from .wrapper import DecodeWrapper
 
@@ -115,9 +117,12 @@ def shard_table(table: PageTable, *, rank: int, world_size: int,
 
 
 def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
-                       method: str = "all_gather") -> tuple[torch.Tensor, torch.Tensor]:
+                       method: str = "all_gather",
+                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact merge of every rank's (o [B, Hq, D], lse [B, Hq] natural log, -inf: no tokens)
-    over `group`; returns (out [B, Hq, D] in o's dtype, lse [B, Hq] fp32) on every rank."""
+    over `group`; returns (out [B, Hq, D] in o's dtype, lse [B, Hq] fp32) on every rank.
+    sinks: float32 [Hq], one logit per head that joins the merged softmax's denominator once
+    (each rank's (o, lse) is taken without it): out *= e^lse / (e^lse + e^sink)."""
     import torch.distributed as dist
 
     if method not in MERGES:
@@ -127,6 +132,8 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
     if tuple(lse.shape) != tuple(o.shape[:2]) or lse.device != o.device:
         raise ValueError(f"lse must be [B, Hq] = {list(o.shape[:2])} on o's device {o.device}, "
                          f"got {list(lse.shape)} on {lse.device}")
+    if sinks is not None:
+        check_sinks(sinks, num_qo_heads=o.shape[1], device=o.device)
     o32, lse = o.float(), lse.float()
     if method == "all_gather":
         world = dist.get_world_size(group)
@@ -150,7 +157,12 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
         dist.all_reduce(weighted, group=group)
         dist.all_reduce(total, group=group)
         out = weighted / total.clamp_min(1e-30)[..., None]
-    return out.to(o.dtype), top + torch.log(total)
+    merged_lse = top + torch.log(total)
+    if sinks is not None:
+        with_sink = torch.logaddexp(merged_lse, sinks[None, :])
+        out = out * torch.exp(merged_lse - with_sink)[..., None]
+        merged_lse = with_sink
+    return out.to(o.dtype), merged_lse
 
 
 class ContextParallelDecode:
@@ -182,14 +194,23 @@ class ContextParallelDecode:
         self._active = lengths.to(plan.indices.device) > 0                # [B]: tokens here
         return plan
 
-    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False):
-        """q [B, Hq, D] (the same on every rank) -> out [B, Hq, D] (and lse [B, Hq] fp32)."""
+    def run(self, q: torch.Tensor, kv_cache, *, return_lse: bool = False,
+            sinks: torch.Tensor | None = None, k_scale: float | None = None,
+            v_scale: float | None = None, kv_scales: torch.Tensor | None = None):
+        """q [B, Hq, D] (the same on every rank) -> out [B, Hq, D] (and lse [B, Hq] fp32).
+        sinks, k_scale, v_scale and kv_scales as DecodeWrapper.run's (kv_scales: this rank's
+        pool's); the sinks join the merged softmax once, not once a rank."""
         if self._active is None:
             raise RuntimeError("run() called before plan()")
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+        plan = self.wrapper.current_plan
+        if sinks is not None:            # before the kernel and the collective
+            check_sinks(sinks, num_qo_heads=plan.num_qo_heads, device=plan.indices.device)
         out = torch.zeros_like(q)
-        out, lse = self.wrapper.run(q, kv_cache, out=out, return_lse=True)
+        out, lse = self.wrapper.run(q, kv_cache, out=out, return_lse=True, k_scale=k_scale,
+                                    v_scale=v_scale, kv_scales=kv_scales)
         lse = torch.where(self._active[:, None], lse, torch.full_like(lse, float("-inf")))
-        merged, merged_lse = merge_across_ranks(out, lse, group=self.group, method=self.method)
+        merged, merged_lse = merge_across_ranks(out, lse, group=self.group, method=self.method,
+                                                sinks=sinks)
         return (merged, merged_lse) if return_lse else merged

@@ -245,7 +245,7 @@ def check_run_inputs(plan, q, kv_cache, *, kv_layout: str, sinks, tensor_scales:
     against the plan, for the eager launch and for torch.compile's op alike; returns the cache's
     (k, v) views. tensor_scales: k_scale and v_scale were given (checked by the caller)."""
     from .cache import CACHE_DTYPES
-    from .checks import check_same_device, check_tensor
+    from .checks import check_same_device, check_sinks, check_tensor
     from .page_inputs import cache_views
 
     check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
@@ -275,12 +275,7 @@ def check_run_inputs(plan, q, kv_cache, *, kv_layout: str, sinks, tensor_scales:
         raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
                          f"pool of {num_pages} pages")
     if sinks is not None:
-        check_tensor("sinks", sinks, dtype=(torch.float32,), dim=1)
-        if tuple(sinks.shape) != (plan.num_qo_heads,) or sinks.stride(0) != 1:
-            raise ValueError(f"sinks must be a contiguous [num_qo_heads] = "
-                             f"[{plan.num_qo_heads}] tensor, got shape {list(sinks.shape)} "
-                             f"and strides {sinks.stride()}")
-        check_same_device(plan.indices.device, q=q, sinks=sinks)
+        check_sinks(sinks, num_qo_heads=plan.num_qo_heads, device=plan.indices.device)
     return k, v
 
 
