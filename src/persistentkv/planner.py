@@ -53,7 +53,8 @@ class PlanOptions:
 
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
-    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks),
+    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks,
+    and check()'s two counts: used entries outside the pool, rows cut to their table),
     partial outputs [slots * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
     in the first half where it is 16-bit) and lse fp32 [slots * Hq * value blocks], with slots
     the partial capacity (tasks of rows cut in two or more: schedule.partial_bound), merge
