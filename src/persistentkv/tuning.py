@@ -14,7 +14,7 @@ from .runtime import next_power_of_2
 # tiles of more query rows than this take long_block_n for every task (KernelConfig.tile_tokens)
 LONG_TILE_MAX_ROWS = 16
 # default_config's KernelConfig.small_step_kv_bytes_per_sm at head dims of 128 and more: 768 KiB,
-# about 101 MiB on 132 SMs. Measured (v36, H100, 4-16 queries a row at 32/8/128, 64/8/128,
+# about 99 MiB (104 MB) on 132 SMs. Measured (v36, H100, 4-16 queries a row at 32/8/128, 64/8/128,
 # 28/4/128 and 16/8/256): M-blocks of half the tile took the steps of 2-67 MB of K/V 5-33%
 # faster, and cost 1-49% on those of 134 MB and more; at head dim 64 (gpt-oss, 8 queries) they
 # lost 1-59% from 8 MB, so not there.
