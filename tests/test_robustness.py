@@ -253,6 +253,32 @@ def test_out_of_pool_page_indices_read_page_0_and_are_counted(form, bad_page):
         wrapper.run(case.q, case.kv_cache)
 
 
+@pytest.mark.parametrize("stride, counted", [(0, 1), (2, 2)], ids=["expanded", "overlapping"])
+def test_the_guard_checks_rows_that_share_entries(stride, counted):
+    """A trusted block table whose rows overlap in memory (an expanded table's row stride 0, or
+    a stride under the width): every row's used entries are copied and checked, so an entry
+    outside the pool reads page 0 and check() counts it for each row that uses it."""
+    case = make_case(seq_lens=[60, 40], **HEADS)             # a pool of 10 pages
+    flat = torch.tensor(np.random.default_rng().permutation(10)[:6], dtype=torch.int32,
+                        device=DEVICE)
+    flat[3] = 10**6                                          # row 0's fourth entry
+    table = flat.as_strided((2, 4), (stride, 1))
+    lens = torch.tensor([60, 40], dtype=torch.int32, device=DEVICE)   # 4 and 3 pages used
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(block_table=table, seq_lens=lens, **HEADS, backend="split", split_pages=1)
+    out = torch.full_like(case.q, float("nan"))
+    wrapper.run(case.q, case.kv_cache, out=out)
+    read = flat.clone()
+    read[3] = 0
+    rows = (read[0:4].cpu().numpy(), read[stride:stride + 3].cpu().numpy())
+    as_read = PageTable(row_pages=rows, seq_lens=np.asarray([60, 40]), page_size=16)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(as_read))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+    with pytest.raises(ValueError, match=rf"^since the last check\(\), {counted} used page-table "
+                                         rf"entries were outside the pool"):
+        wrapper.check()
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-mode"])
 @pytest.mark.parametrize("form", ["csr", "block"])
 def test_rows_longer_than_their_table_are_cut_and_counted(form, graph):

@@ -43,11 +43,12 @@ class PageGuard:
         from .kernels.guard import GUARD_BLOCK, guard_grid
 
         self.extent = guarded_extent(table)
+        span = table.num_indices if table.csr else table.rows * table.width   # (row, column)s
         self.leading = (table.indices, table.leading[0])
-        self.fixed = (safe, info, table.rows, table.row_stride, table.width, self.extent)
+        self.fixed = (safe, info, table.rows, table.row_stride, table.width, span)
         self.csr, self.page_size = table.csr, page_size
         self._constexprs = dict(PAGE_SIZE=page_size, CSR=table.csr, BLOCK=GUARD_BLOCK)
-        self._grid = guard_grid(self.extent)
+        self._grid = guard_grid(span)
         self._key = (table.csr, page_size, table.device.index,
                      *(t.data_ptr() % 16 for t in self.leading))
         self._bound: dict[int, BoundLaunch] = {}
