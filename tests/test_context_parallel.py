@@ -162,10 +162,12 @@ def test_balanced_short_rows_and_bad_options():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="NCCL and CUDA graphs need a GPU (one is enough: a group of one rank)")
-@pytest.mark.parametrize("method", ["all_gather", "all_reduce"])
-def test_nccl_merge_is_captured_with_the_step(method):
-    """On one GPU, a one-rank NCCL group: plan (graph mode), run and the merge's collective in
-    one CUDA graph; replays with fresh queries match the float64 reference."""
+@pytest.mark.parametrize("method, with_sinks", [("all_gather", False), ("all_reduce", False),
+                                               ("all_gather", True)])
+def test_nccl_merge_is_captured_with_the_step(method, with_sinks):
+    """On one GPU, a one-rank NCCL group: plan (graph mode), run and the merge's collective (and
+    the sinks it adds) in one CUDA graph; replays with fresh queries match the float64
+    reference."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NCCL_NVLS_ENABLE="0",
                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
@@ -176,19 +178,21 @@ def test_nccl_merge_is_captured_with_the_step(method):
                                    max_num_pages=indices.numel())
         q = case.q.clone()
         kwargs = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS)
+        sinks = dict(sinks=torch.randn(HEADS["num_qo_heads"], device="cuda")) if with_sinks else {}
         cp.plan(**kwargs)
-        cp.run(q, case.kv_cache)                     # warm-up: NCCL's communicator, compiles
+        cp.run(q, case.kv_cache, **sinks)            # warm-up: NCCL's communicator, compiles
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             cp.plan(**kwargs)
-            out, lse = cp.run(q, case.kv_cache, return_lse=True)
+            out, lse = cp.run(q, case.kv_cache, return_lse=True, **sinks)
         for _ in range(3):
             q.normal_()
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            ref, ref_lse = reference_decode(q, case.kv_cache, layout="HND", **csr_kwargs(case.table))
+            ref, ref_lse = reference_decode(q, case.kv_cache, layout="HND", **csr_kwargs(case.table),
+                                            **sinks)
             assert relative_error(out, ref) <= 2e-3 and relative_error(lse, ref_lse) <= 1e-4
     finally:
         dist.destroy_process_group()
