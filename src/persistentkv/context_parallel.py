@@ -199,14 +199,12 @@ class ContextParallelDecode:
             v_scale: float | None = None, kv_scales: torch.Tensor | None = None):
         """q [B, Hq, D] (the same on every rank) -> out [B, Hq, D] (and lse [B, Hq] fp32).
         sinks, k_scale, v_scale and kv_scales as DecodeWrapper.run's (kv_scales: this rank's
-        pool's); the sinks join the merged softmax once, not once a rank."""
+        pool's); the sinks join the merged softmax once, not once a rank (merge_across_ranks
+        checks them before its collective)."""
         if self._active is None:
             raise RuntimeError("run() called before plan()")
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-        plan = self.wrapper.current_plan
-        if sinks is not None:            # before the kernel and the collective
-            check_sinks(sinks, num_qo_heads=plan.num_qo_heads, device=plan.indices.device)
         out = torch.zeros_like(q)
         out, lse = self.wrapper.run(q, kv_cache, out=out, return_lse=True, k_scale=k_scale,
                                     v_scale=v_scale, kv_scales=kv_scales)

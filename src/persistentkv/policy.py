@@ -74,7 +74,9 @@ def _bin_key(indices: tuple[int, ...]) -> str:
     return "-".join(f"{p}{i}" for p, i in zip("rls", indices))
 
 
-BINS = frozenset(map(_bin_key, itertools.product(*(range(len(edges) + 1) for edges in EDGES))))
+# every bin's (row, longest-context, spread) indices, rows-major: the device table's order
+BIN_INDICES = tuple(itertools.product(*(range(len(edges) + 1) for edges in EDGES)))
+BINS = frozenset(map(_bin_key, BIN_INDICES))
 
 
 def fallback_choice() -> Choice:
@@ -147,17 +149,15 @@ class Policy:
     def dense_codes(self, *, page_size: int | None = None) -> list[int]:
         """Choice codes (schedule.Choice.code) of every bin for a plan of `page_size`,
         rows-major then longest context then spread: what the planner looks up on the device."""
-        bins = itertools.product(*(range(len(edges) + 1) for edges in EDGES))
         return [self.in_pages(self.table.get(k) or fallback_choice(), page_size=page_size).code()
-                for k in map(_bin_key, bins)]
+                for k in map(_bin_key, BIN_INDICES)]
 
     def code_bins(self, *, page_size: int | None = None) -> dict[int, set]:
         """Each choice code of dense_codes and the bins it decides, as (most active rows, longest
         row in tokens) pairs, None where the bin is open above: a plan under that code has at
         most those rows and that longest row."""
-        bins = itertools.product(*(range(len(edges) + 1) for edges in EDGES))
         out: dict[int, set] = {}
-        for (r, l, _), code in zip(bins, self.dense_codes(page_size=page_size)):
+        for (r, l, _), code in zip(BIN_INDICES, self.dense_codes(page_size=page_size)):
             out.setdefault(code, set()).add((ROW_EDGES[r] if r < len(ROW_EDGES) else None,
                                              MAX_LEN_EDGES[l] if l < len(MAX_LEN_EDGES) else None))
         return out
