@@ -40,10 +40,11 @@ class WrongBackend(Backend):
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the same command runs the full suite: too long for a test")
 def test_functional_bench_writes_results(tmp_path):
     backends = "pkv-grouped,pkv-split,pkv-split@2,pkv-auto,per-sequence"
-    assert main(["bench", "--out", str(tmp_path), "--backends", backends]) == 0
+    assert main(["bench", "--out", str(tmp_path), "--backends", backends, "--page-size", "8"]) == 0
     data = json.loads((tmp_path / "traces-functional.json").read_text())
     env = data["environment"]
     assert env["functional_only"] and env["torch"] == torch.__version__ and "date" in env
+    assert env["shape"]["page_size"] == 8 and env["shape"]["head_dim"] == 64   # the page given
     rows = {r["backend"]: r for r in data["summary"]}
     assert set(rows) == set(backends.split(","))
     assert all(r["status"] == "ok" and r["max_error"] < 2e-3 and r["steps"] == 2 for r in rows.values())

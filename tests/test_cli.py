@@ -32,6 +32,8 @@ from persistentkv.cli import main
     (["bench", "--traces", "nosuch"], "unknown trace(s) ['nosuch']"),
     (["bench", "--head-dim", "100"], "head_dim must be a multiple of 16 up to 512, got 100"),
     (["bench", "--page-size", "0"], "page_size must be >= 1, got 0"),
+    (["bench", "--grid", "--layout", "HND_VT", "--page-size", "3"],   # also on the CPU's shape
+     "the HND_VT layout takes a page_size that is a power of two, got 3"),
     (["evaluate", "--num-qo-heads", "12", "--num-kv-heads", "8"],
      "num_qo_heads=12 must be a multiple of num_kv_heads=8"),
     (["explain", "--cell", "B1 L1K", "--seq-lens", "100"], "give one of --cell NAME"),

@@ -83,6 +83,39 @@ def test_ranks_merge_to_the_whole_rows(tmp_path, world, placement, method, min_p
     assert (errors[:, 2] == 1).all(), errors
 
 
+def _merge_rank(rank, world, port, method, result_path):
+    """Rank r's (o, lse) for 3 rows of 2 heads (every rank draws all ranks' from one seed): row 0
+    held by rank 0 alone, row 1 by rank 1 alone, row 2 by both; a rank without a row's tokens
+    gives lse -inf and an o row of NaN and inf, as an unwritten output can hold."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        o = torch.randn(world, 3, 2, 16, generator=gen, dtype=torch.float64)
+        lse = torch.randn(world, 3, 2, generator=gen, dtype=torch.float64)
+        lse[1, 0] = lse[0, 1] = float("-inf")
+        o[1, 0], o[0, 1] = float("nan"), float("inf")
+        out, merged_lse = merge_across_ranks(o[rank].float(), lse[rank].float(), method=method)
+        w = torch.exp(lse - lse.amax(dim=0))                                   # [W, 3, 2]
+        ref = (w[..., None] * torch.where(torch.isneginf(lse)[..., None], 0.0, o)).sum(0)
+        ref = ref / w.sum(0)[..., None]
+        ref_lse = torch.logsumexp(lse, dim=0)
+        errors = (relative_error(out, ref), relative_error(merged_lse, ref_lse))
+        if rank == 0:
+            np.save(result_path, np.array(errors))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU test of the gloo path (a GPU run takes NCCL and 2 GPUs)")
+@pytest.mark.parametrize("method", ["all_gather", "all_reduce"])
+def test_merge_ignores_the_output_of_ranks_without_tokens(tmp_path, method):
+    path = str(tmp_path / "errors.npy")
+    mp.spawn(_merge_rank, args=(2, _free_port(), method, path), nprocs=2)
+    errors = np.load(path)
+    assert (errors <= 1e-6).all(), errors
+
+
 def test_shards_cover_every_token_once():
     table = PageTable(row_pages=tuple(np.arange(a, a + n) for a, n in ((0, 19), (40, 1), (50, 3))),
                       seq_lens=np.array([300, 9, 33]), page_size=16)

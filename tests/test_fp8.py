@@ -260,6 +260,9 @@ def test_scales_on_a_half_cache_and_fp8_values_to_append():
     with pytest.raises(ValueError, match=r"kv_scale, k_scale and v_scale apply to an fp8 cache"):
         PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=16,
                      kv_scale="token")
+    with pytest.raises(ValueError, match=r"k_scale and v_scale are a per-tensor cache's .*"
+                                         r"k_scale=0.5, v_scale=1.0"):
+        _cache(kv_scale="token", k_scale=0.5)
     cache = _cache()
     cache.add_sequence(0)
     with pytest.raises(TypeError, match=r"k.dtype must be float16, bfloat16 or float32"):

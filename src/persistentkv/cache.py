@@ -89,6 +89,10 @@ class PagedKVCache:
         if dtype != FP8 and (kv_scale != "tensor" or (k_scale, v_scale) != (1.0, 1.0)):
             raise ValueError(f"kv_scale, k_scale and v_scale apply to an fp8 cache "
                              f"(dtype={FP8}), not to dtype={dtype}")
+        if kv_scale == "token" and (k_scale, v_scale) != (1.0, 1.0):
+            raise ValueError(f"k_scale and v_scale are a per-tensor cache's (kv_scale='tensor'); "
+                             f"a per-token cache writes each token's own, got k_scale={k_scale}, "
+                             f"v_scale={v_scale}")
         self.fp8 = dtype == FP8
         self.kv_scale, self.k_scale, self.v_scale = kv_scale, k_scale, v_scale
         self.layout = check_layout(layout)

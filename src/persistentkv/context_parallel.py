@@ -12,12 +12,12 @@ A rank's share of a row is any subset of its pages (contiguous or interleaved): 
 per row, the softmax over a set of tokens does not depend on their order, and the shares' (o, lse)
 merge exactly: out = sum_r e^(lse_r - M) o_r / sum_r e^(lse_r - M), lse = M + log(sum_r
 e^(lse_r - M)), the math of the in-launch merge. A rank with no tokens of a row contributes
-(0, -inf). The merge is an all-gather of (o, lse) ("all_gather") or three all-reduces of
-rescaled sums ("all_reduce"); NCCL on GPUs, gloo on CPUs. Soft-capping (a per-score function)
-and an fp8 cache (each rank's scales) apply in each rank's kernel; attention sinks join once, in
-the merge. One query per row, no sliding window: positions would cross the shares. Tensor
-parallelism composes by heads: each tensor-parallel rank runs its own heads' context-parallel
-group.
+nothing: its lse is -inf and its o row, whatever it holds, counts as 0. The merge is an
+all-gather of (o, lse) ("all_gather") or three all-reduces of rescaled sums ("all_reduce"); NCCL
+on GPUs, gloo on CPUs. Soft-capping (a per-score function) and an fp8 cache (each rank's scales)
+apply in each rank's kernel; attention sinks join once, in the merge. One query per row, no
+sliding window: positions would cross the shares. Tensor parallelism composes by heads: each
+tensor-parallel rank runs its own heads' context-parallel group.
 
 Short rows stay whole on one rank: a row is spread only when every rank would get at least
 min_pages_per_rank of its pages; the others go whole, longest first, to the rank holding the fewest
@@ -119,10 +119,11 @@ def shard_table(table: PageTable, *, rank: int, world_size: int,
 def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
                        method: str = "all_gather",
                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact merge of every rank's (o [B, Hq, D], lse [B, Hq] natural log, -inf: no tokens)
-    over `group`; returns (out [B, Hq, D] in o's dtype, lse [B, Hq] fp32) on every rank.
-    sinks: float32 [Hq], one logit per head that joins the merged softmax's denominator once
-    (each rank's (o, lse) is taken without it): out *= e^lse / (e^lse + e^sink)."""
+    """The exact merge of every rank's (o [B, Hq, D], lse [B, Hq] natural log; -inf: no tokens,
+    and o's row is not read) over `group`; returns (out [B, Hq, D] in o's dtype, lse [B, Hq]
+    fp32) on every rank. sinks: float32 [Hq], one logit per head that joins the merged
+    softmax's denominator once (each rank's (o, lse) is taken without it): out *= e^lse /
+    (e^lse + e^sink)."""
     import torch.distributed as dist
 
     if method not in MERGES:
@@ -134,7 +135,8 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
                          f"got {list(lse.shape)} on {lse.device}")
     if sinks is not None:
         check_sinks(sinks, num_qo_heads=o.shape[1], device=o.device)
-    o32, lse = o.float(), lse.float()
+    lse = lse.float()   # a rank without tokens of a row (lse -inf) adds 0, whatever its o holds
+    o32 = torch.where(torch.isneginf(lse)[..., None], 0.0, o.float())
     if method == "all_gather":
         world = dist.get_world_size(group)
         os_, lses = [torch.empty_like(o32) for _ in range(world)], [torch.empty_like(lse)
@@ -205,8 +207,7 @@ class ContextParallelDecode:
             raise RuntimeError("run() called before plan()")
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-        out = torch.zeros_like(q)
-        out, lse = self.wrapper.run(q, kv_cache, out=out, return_lse=True, k_scale=k_scale,
+        out, lse = self.wrapper.run(q, kv_cache, return_lse=True, k_scale=k_scale,
                                     v_scale=v_scale, kv_scales=kv_scales)
         lse = torch.where(self._active[:, None], lse, torch.full_like(lse, float("-inf")))
         merged, merged_lse = merge_across_ranks(out, lse, group=self.group, method=self.method,

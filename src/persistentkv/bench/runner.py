@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..cache import PagedKVCache
+from ..cache import PagedKVCache, check_v_transposed_page
 from ..checks import check_attention_shape, check_fp32_scale
 from ..quant import FP8, FP8_MAX, SCALE_GRANULARITIES
 from ..queries import MAX_QUERIES_PER_ROW
@@ -44,6 +44,7 @@ class ModelShape:
     def __post_init__(self):
         check_attention_shape(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                               head_dim=self.head_dim, page_size=self.page_size)
+        check_v_transposed_page(self.layout, self.page_size)
         if self.kv_fp8 not in (None, *SCALE_GRANULARITIES):
             raise ValueError(f"kv_fp8 must be None or one of {SCALE_GRANULARITIES}, got "
                              f"{self.kv_fp8!r}")
@@ -130,8 +131,9 @@ class Measured:
 
 
 def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, RunOptions]:
-    """The tiny shape and options of a run through the CPU interpreter (timings mean nothing)."""
-    return (dataclasses.replace(shape, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16),
+    """The tiny shape (8/2/64, the given page size, dtype and layout) and options of a run through
+    the CPU interpreter (timings mean nothing)."""
+    return (dataclasses.replace(shape, num_qo_heads=8, num_kv_heads=2, head_dim=64),
             dataclasses.replace(opts, layers=2, samples=2, eager_reps=1, graph_reps=0,
                                 check_every=1))
 

@@ -61,9 +61,10 @@ def grid_cases(names: list[str] | None = None) -> list[tuple[str, list[int]]]:
     return [(n, lens) for n, lens in cells if n in names]
 
 
-def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = None, traces: list[str] | None, trace_file: str | None,
-              batch_slots: int, backends: list[str], shape: ModelShape, opts: RunOptions,
-              out_dir: Path, tag: str | None) -> int:
+def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = None,
+              traces: list[str] | None, trace_file: str | None, batch_slots: int,
+              backends: list[str], shape: ModelShape, opts: RunOptions, out_dir: Path,
+              tag: str | None) -> int:
     functional = device.type != "cuda"
     check_out_dir(out_dir)
     if cells is not None:
@@ -76,8 +77,8 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
             raise ValueError(f"unknown trace(s) {unknown}; choose from "
                              f"{[s.name for s in TRACE_SUITE]} or pass --trace-file")
     if functional:
-        print("No GPU: a functional run through Triton's interpreter, at its own small shape "
-              "(8/2/64); its timings mean nothing.")
+        print(f"No GPU: a functional run through Triton's interpreter, at its own small shape "
+              f"(8/2/64, page size {shape.page_size}); its timings mean nothing.")
         shape, opts = functional_setup(shape, opts)
     built, skipped = make_backends(backends, layout=shape.layout, device=device)
     for name, why in skipped.items():
@@ -118,9 +119,11 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
                 measured.append(run_trace(name, case, built, shape=shape, opts=opts, device=device,
                                           progress=lambda: progress.advance(bar)))
             else:
-                measured.append(run_static(name, case, built, shape=shape, opts=opts, device=device))
+                measured.append(run_static(name, case, built, shape=shape, opts=opts,
+                                           device=device))
                 progress.advance(bar)
-            summary, paths = _write(measured, env, out_dir, tag)  # after every case: a cut run keeps its results
+            # after every case: a cut run keeps its results
+            summary, paths = _write(measured, env, out_dir, tag)
     if not measured:
         raise ValueError("nothing to measure")
     print_table(summary, title=f"PersistentKV bench ({env['device']})", functional=functional)
