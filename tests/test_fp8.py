@@ -225,9 +225,10 @@ def test_per_token_quantization_saturates_an_inf():
 def test_fp8_cache_end_to_end():
     """PagedKVCache(fp8) appends, its page table plans, run() takes cache.scales(layer)."""
     for granularity in ("tensor", "token"):
+        scales = dict(k_scale=0.01, v_scale=0.01) if granularity == "tensor" else {}
         cache = PagedKVCache(num_layers=2, num_pages=40, page_size=16, num_kv_heads=2,
                              head_dim=64, dtype=FP8, layout="HND", device=DEVICE,
-                             kv_scale=granularity, k_scale=0.01, v_scale=0.01)
+                             kv_scale=granularity, **scales)
         gen = torch.Generator().manual_seed(1)
         for seq, n in enumerate([130, 40]):
             cache.add_sequence(seq)

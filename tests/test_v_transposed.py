@@ -20,7 +20,9 @@ def _caches(seq_lens, *, page_size, dtype, kv_scale="tensor", seed=0):
     gen = torch.Generator().manual_seed(seed)
     h, d = HEADS["num_kv_heads"], HEADS["head_dim"]
     pages = sum(-(-n // page_size) for n in seq_lens) + 3
-    extra = dict(kv_scale=kv_scale, k_scale=0.02, v_scale=0.02) if dtype == FP8 else {}
+    extra = dict(kv_scale=kv_scale) if dtype == FP8 else {}
+    if dtype == FP8 and kv_scale == "tensor":
+        extra.update(k_scale=0.02, v_scale=0.02)
     caches = {layout: PagedKVCache(num_layers=1, num_pages=pages, page_size=page_size,
                                    num_kv_heads=h, head_dim=d, dtype=dtype, layout=layout,
                                    device=DEVICE, shuffle_seed=seed, init="zeros", **extra)
