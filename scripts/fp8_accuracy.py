@@ -2,7 +2,7 @@
 drawn in fp16, then stored in fp8 per tensor (a calibrated scale: 4 sigma / 448) and per token
 (amax / 448), against the float64 reference on the fp16 original and on the fp8 values.
 Run: PYTHONPATH=src python scripts/fp8_accuracy.py [--out results/h200/fp8-accuracy.json]
-(on the CPU it runs a small step through Triton's interpreter)."""
+(on the CPU, with TRITON_INTERPRET=1 set, it runs a small step through Triton's interpreter)."""
 import argparse
 import json
 
