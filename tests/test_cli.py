@@ -169,6 +169,21 @@ def test_explain_reports_the_tasks_of_a_given_split(capsys):
     assert "tile: 4 query rows (G_PAD 16), 64-token K/V tiles, 4 warps, 3 stages" in out
 
 
+def test_explain_says_where_a_fitted_policy_leaves_the_rule(capsys):
+    """The H200's 8/1/128 policy has bins from its calibration traces; B128 L1K reached none
+    (r4-l0-s0), so the default rule decides there; B8 bimodal's bin (r2-l2-s1) is the table's."""
+    from persistentkv.policy import load_policy
+
+    policy = load_policy("NVIDIA H200", shape=(8, 1, 128))
+    assert "r4-l0-s0" not in policy.table and "r2-l2-s1" in policy.table
+    for cell, left in (("B128 L1K", True), ("B8 bimodal", False)):
+        assert main(["explain", "--cell", cell, "--preset", "llama3-70b-tp8", "--gpu",
+                     "NVIDIA H200", "--backend", "pkv-auto"]) == 0
+        out = capsys.readouterr().out
+        assert "NVIDIA H200's policy at 8/1/128" in out
+        assert ("which leaves this bin to the default rule" in out) == left, out
+
+
 def test_explain_reports_the_merge_levels_of_the_most_cut_row(capsys):
     """A row of S <= ONE_LEVEL_SPLITS splits merges in one level, a longer one in groups of
     ceil(sqrt(S)) and then the groups (kernels/decode.py _merge_split); whole rows merge nothing.

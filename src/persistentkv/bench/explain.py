@@ -135,18 +135,23 @@ def explain_step(seq_lens: list[int], *, shape: ModelShape, num_sms: int, gpu_na
                         head_dim=shape.head_dim, page_size=page, backend=backend,
                         split_pages=split_pages, config=config, qo_indptr=qo_indptr,
                         kv_data_type=kv_dtype)
+    step_bin = StepFeatures.of(lens, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                               elem_size=1 if shape.kv_fp8 else 2).bin()
     if backend != "auto":
         decided_by = "given"
     elif policy.table and policy.applies_to(num_qo_heads=heads[0], num_kv_heads=heads[1],
                                             head_dim=heads[2]):
         decided_by = f"{gpu_name}'s policy at {'/'.join(map(str, heads))}"
+        if step_bin not in policy.table:     # no calibration step reached the bin
+            decided_by += ", which leaves this bin to the default rule"
     else:
         decided_by = f"the default rule: no {gpu_name} policy at {'/'.join(map(str, heads))}"
-    return _report(plan, lens, shape=shape, q_len=q_len, decided_by=decided_by)
+    return _report(plan, lens, shape=shape, q_len=q_len, decided_by=decided_by,
+                   policy_bin=step_bin)
 
 
 def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
-            decided_by: str) -> StepPlanReport:
+            decided_by: str, policy_bin: str) -> StepPlanReport:
     info, records = plan.info(), plan.task_records()
     config = plan.config   # the step's: a small step's tile may be cut in M-blocks
     tokens = records[:, 3] - records[:, 2]
@@ -156,10 +161,8 @@ def _report(plan: DecodePlan, lens: list[int], *, shape: ModelShape, q_len: int,
     fp8 = shape.kv_fp8 is not None
     tile = config.tile_shape(tile_rows=rows, kv_fp8=fp8)
     items = (chunks or info["num_tasks"]) * shape.num_kv_heads * config.head_items(tile_rows=rows)
-    features = StepFeatures.of(lens, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                               elem_size=1 if fp8 else 2)
     return StepPlanReport(
-        choice=str(info["choice"]), decided_by=decided_by, policy_bin=features.bin(),
+        choice=str(info["choice"]), decided_by=decided_by, policy_bin=policy_bin,
         split_tokens=info["split_tokens"],
         tasks=info["num_tasks"], rows_cut=int((splits > 1).sum()), most_splits=int(splits.max()),
         merge_chain=merge_chain(int(splits.max())),
