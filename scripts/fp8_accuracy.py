@@ -2,22 +2,26 @@
 drawn in fp16, then stored in fp8 per tensor (a calibrated scale: 4 sigma / 448) and per token
 (amax / 448), against the float64 reference on the fp16 original and on the fp8 values.
 Run: PYTHONPATH=src python scripts/fp8_accuracy.py [--out results/h200/fp8-accuracy.json]
-(on the CPU, with TRITON_INTERPRET=1 set, it runs a small step through Triton's interpreter)."""
+(on the CPU it runs a small step through Triton's interpreter)."""
 import argparse
 import json
 
 import torch
 
-from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative_error
-from persistentkv.quant import FP8, FP8_MAX
+from persistentkv.cli import choose_device
+
+DEVICE = choose_device()   # the interpreter on the CPU: chosen before any kernel is defined
+
+from persistentkv import DecodeWrapper, PagedKVCache, reference_decode, relative_error  # noqa: E402
+from persistentkv.quant import FP8, FP8_MAX  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     args = parser.parse_args()
-    gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if gpu else "cpu")
+    gpu = DEVICE == "cuda"
+    device = torch.device(DEVICE)
     (hq, hkv, dim), lens = ((32, 8, 128), [8192] * 8) if gpu else ((8, 2, 64), [300, 70])
     gen = torch.Generator().manual_seed(0)
     pages = sum(-(-n // 16) for n in lens) + 1
