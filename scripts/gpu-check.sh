@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        mixwaves|d256chunks|
+#                                        mixwaves|d256chunks|tp8b128|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
 #                                        mblockcross|smallstep|smallsweep|d512cross|largerows|
 #                                        e2e ...]
@@ -53,7 +53,10 @@
 # rows) with smaller split floors than the rule's 512 tokens there, and with 8 warps (no spill
 # there), twice (v28: B1 at 0.55x FlashInfer's prefill, 16 tasks on B1 L1K); tp8small:
 # gpt-oss-tp8's small cells under 1.00x with larger splits, whole rows and chunks, twice (v27: B8
-# L4K 0.94x, 256 tasks of 128 tokens); mblocks: 16 queries a row at llama3-70b and qwen2.5-7b,
+# L4K 0.94x, 256 tasks of 128 tokens); tp8b128: B128 L1K at one KV head (128 rows, 4 under the
+# SMs, so the rule splits them) in whole rows, at four stages and in chunks beside the default,
+# at llama3-70b-tp8 and gpt-oss-tp8, twice (v45, H100: whole rows 6% faster at 8/1/128, 2-3%
+# slower at 8/1/64); mblocks: 16 queries a row at llama3-70b and qwen2.5-7b,
 # the default's M-blocks of 64 rows against blocks of 32 and two stages, twice (v31: 0.64-0.87x
 # FlashInfer's prefill on B1 there); padrows: 32-row tiles (8 queries at group 4, 4 at group 8)
 # padded to 64 rows (the default), which Triton compiles to the warp-group MMA, against mma.sync
@@ -474,6 +477,16 @@ for step in $steps; do
                    --backends pkv-auto,pkv-split@16,pkv-split@32,pkv-grouped,pkv-balanced,fi-cuda-core,fi-tensor-core,fi-xqa \
                    --out "$out/tp8small" --tag "tp8small-$i" > "$out/tp8small/tp8small-$i-log.txt" 2>&1
                  tail -1 "$out/tp8small/tp8small-$i-log.txt"
+               done ;;
+    tp8b128)   mkdir -p "$out/tp8b128"   # v45: whole rows against the rule's half-rows
+               for i in $repeats; do
+                 for p in llama3-70b-tp8 gpt-oss-tp8; do
+                   timeout 150 python3 -m persistentkv.cli bench --grid --preset $p \
+                     --cells "B128 L1K,B128 L8K,B32 L8K" \
+                     --backends pkv-auto,pkv-grouped,pkv-grouped:stages4,pkv-balanced,fi-xqa \
+                     --out "$out/tp8b128" --tag "$p-$i" > "$out/tp8b128/$p-$i-log.txt" 2>&1
+                   tail -1 "$out/tp8b128/$p-$i-log.txt"
+                 done
                done ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
