@@ -76,16 +76,16 @@ def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, kv_scales, k_scale, v
 
 @torch.library.custom_op("persistentkv::guard_pages", mutates_args=("safe", "info"))
 def guard_pages(indices: torch.Tensor, meta: torch.Tensor, safe: torch.Tensor, info: torch.Tensor,
-                num_rows: int, row_stride: int, width: int, extent: int, num_pages: int,
+                num_rows: int, row_stride: int, width: int, span: int, num_pages: int,
                 page_size: int, csr: bool) -> None:
     """safe = the page table with entries outside the pool replaced by 0 (see kernels/guard.py)."""
-    guard_pages_kernel[guard_grid(extent)](
-        indices, meta, safe, info, num_rows, row_stride, width, extent, num_pages,
+    guard_pages_kernel[guard_grid(span)](
+        indices, meta, safe, info, num_rows, row_stride, width, span, num_pages,
         PAGE_SIZE=page_size, CSR=csr, BLOCK=GUARD_BLOCK)
 
 
 @guard_pages.register_fake
-def _guard_pages_fake(indices, meta, safe, info, num_rows, row_stride, width, extent, num_pages,
+def _guard_pages_fake(indices, meta, safe, info, num_rows, row_stride, width, span, num_pages,
                       page_size, csr):
     return None
 

@@ -43,7 +43,8 @@ class DecodeWrapper:
     replay; rows with no pages (CSR) or seq_lens 0 are inactive and their output rows and lse
     entries are left untouched (in every mode; uninitialized where run() allocates them).
     max_queries_per_row: the tile's query tokens per row of a plan(qo_indptr=...) (default 1:
-    sized by each batch; graph mode and deterministic mode need it fixed). policy: for backend="auto"; default: the one shipped for the GPU. num_sms: the SMs
+    sized by each batch; graph mode and deterministic mode need it fixed). policy: for
+    backend="auto"; default: the one shipped for the GPU. num_sms: the SMs
     the plans fill (default: the device's; FlashAttention-3's sm_margin is the same knob counted
     the other way): fewer where kernels on another stream share the GPU with the decode step,
     or, on the CPU, a GPU's count, to see the plans it would get.
