@@ -1,5 +1,6 @@
 """The command line: bad input gets a one-line error naming the value, and exit code 2."""
 import json
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from persistentkv.cli import main
      "candidates must be pkv-grouped, pkv-split, pkv-balanced or pkv-split@N, got "
      "['pkv-auto', 'fi-xqa']"),
     (["evaluate", "--backends", "pkv-split@x"], "unknown backend(s) ['pkv-split@x']"),
-    (["bench", "--grid", "--cells", "B1 L1K,B3 L7K"], "unknown grid cell(s) ['B3 L7K']"),
+    (["bench", "--grid", "--cells", "B1 L1K,B3 zipf"], "unknown grid cell(s) ['B3 zipf']"),
     (["bench", "--cells", "B1 L1K"], "add --grid"),
     (["bench", "--preset", "llama3-70b-tp8", "--num-kv-heads", "2"],
      "--preset llama3-70b-tp8 sets the heads and head dim; drop ['--num-kv-heads']"),
@@ -273,3 +274,15 @@ def test_explain_plans_chunks_from_shorter_splits_at_head_dim_256(capsys):
                      "--head-dim", head_dim, "--num-sms", "132", "--backend", backend]) == 0
         assert capsys.readouterr().out.split("\n")[1].strip().startswith(choice), \
             (cell, head_dim, backend)
+
+
+def test_grid_cells_name_uniform_batches_off_the_grid():
+    """'B<rows> L<K>K' names a uniform batch the grid lacks; the grid's own names keep their
+    lengths and the grid's order; a malformed or oversized name is refused."""
+    from persistentkv.bench.suite import grid_cases
+    cases = grid_cases(["B16 L2K", "B1 L1K", "B4 zipf"])
+    assert cases[:2] == [("B1 L1K", [1024]), ("B4 zipf", [430, 647, 1891, 1622])]
+    assert cases[2] == ("B16 L2K", [2048] * 16)
+    for name in ("B0 L1K", "B16 L2k", "B5000 L1K", "B2 L2048K", "B16 L02K"):
+        with pytest.raises(ValueError, match=re.escape(f"unknown grid cell(s) [{name!r}]")):
+            grid_cases([name])

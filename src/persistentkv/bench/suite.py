@@ -1,6 +1,7 @@
 """`persistentkv bench`: the trace suite and the static grid, on the GPU or (tiny) on the CPU."""
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,15 +51,27 @@ FUNCTIONAL_PARAMS = {"buckets": (24, 90), "out_min": 2, "out_max": 3}  # small e
 
 
 def grid_cases(names: list[str] | None = None) -> list[tuple[str, list[int]]]:
-    """The grid's cells (name, row lengths), or the named ones."""
+    """The grid's cells (name, row lengths), or the named ones in the grid's order, then any
+    uniform batch off the grid named 'B<rows> L<K>K' (e.g. 'B16 L2K': 16 rows of 2048 tokens)."""
     cells = [(f"B{b} L{n // 1024}K", [n] * b) for b in GRID_BATCHES for n in GRID_LENGTHS
              if b * n <= GRID_MAX_TOKENS] + list(GRID_MIXES.items()) + list(GRID_EXTRA.items())
     if names is None:
         return cells
-    unknown = [n for n in names if n not in dict(cells)]
+    known = dict(cells)
+    extra = {n: _uniform_cell(n) for n in names if n not in known}
+    unknown = [n for n, lens in extra.items() if lens is None]
     if unknown:
-        raise ValueError(f"unknown grid cell(s) {unknown}; choose from {[n for n, _ in cells]}")
-    return [(n, lens) for n, lens in cells if n in names]
+        raise ValueError(f"unknown grid cell(s) {unknown}; choose from {[n for n, _ in cells]} "
+                         f"or name a uniform batch 'B<rows> L<K>K'")
+    return [(n, lens) for n, lens in cells if n in names] + list(extra.items())
+
+
+def _uniform_cell(name: str) -> list[int] | None:
+    """Row lengths of a cell named 'B<rows> L<K>K' (rows 1-4096, 1-1024 K tokens), else None."""
+    match = re.fullmatch(r"B([1-9][0-9]*) L([1-9][0-9]*)K", name)
+    if match is None or int(match[1]) > 4096 or int(match[2]) > 1024:
+        return None
+    return [int(match[2]) * 1024] * int(match[1])
 
 
 def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = None,
