@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--samples", type=int, default=16, help="measured steps per trace")
     bench.add_argument("--memory-gb", type=float, default=60.0, help="budget for all layers' pools")
     bench.add_argument("--cells", help="comma-separated subset of the grid's cells, e.g. "
-                                       "'B1 L32K,B8 zipf'")
+                                       "'B1 L32K,B8 zipf', or uniform batches off the grid "
+                                       "named 'B<rows> L<K>K' (e.g. 'B16 L2K')")
     bench.add_argument("--q-len", default="1",
                        help="query tokens per row of the grid's batches (1-16, or 'mix': 2-8 per "
                             "row; speculative-decoding verification); compare with fi-prefill")
