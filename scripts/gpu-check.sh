@@ -56,8 +56,9 @@
 # L4K 0.94x, 256 tasks of 128 tokens); tp8b128: B128 L1K at one KV head (128 rows, 4 under the
 # SMs, so the rule splits them) in whole rows, at four stages and in chunks beside the default,
 # at llama3-70b-tp8 and gpt-oss-tp8, twice (v45, H100: whole rows 6% faster at 8/1/128, 2-3%
-# slower at 8/1/64); wholerows: whole rows at four stages and three against the default where
-# rows x KV heads are 128, at seven presets, rows of 1K and 2K tokens (v46); mblocks: 16 queries a row at llama3-70b and qwen2.5-7b,
+# slower at 8/1/64); wholerows: whole rows at four stages and three, and the rule's whole rows
+# from 95% of the SMs (:wholefill0.95), against the default where rows x KV heads are 128, at
+# seven presets, rows of 1K and 2K tokens (v46); mblocks: 16 queries a row at llama3-70b and qwen2.5-7b,
 # the default's M-blocks of 64 rows against blocks of 32 and two stages, twice (v31: 0.64-0.87x
 # FlashInfer's prefill on B1 there); padrows: 32-row tiles (8 queries at group 4, 4 at group 8)
 # padded to 64 rows (the default), which Triton compiles to the warp-group MMA, against mma.sync
@@ -499,7 +500,8 @@ for step in $steps; do
                  for i in $repeats; do
                    timeout 150 python3 -m persistentkv.cli bench --grid --preset "$p" \
                      --cells "${pc#*:}" \
-                     --backends pkv-auto,pkv-grouped,pkv-grouped:stages4,fi-tensor-core,fi-xqa \
+                     --backends "pkv-auto,pkv-auto:wholefill0.95,pkv-grouped,$(
+                                 )pkv-grouped:stages4,fi-tensor-core,fi-xqa" \
                      --out "$out/wholerows" --tag "$p-$i" > "$out/wholerows/$p-$i-log.txt" 2>&1
                    tail -1 "$out/wholerows/$p-$i-log.txt"
                  done

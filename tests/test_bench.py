@@ -285,6 +285,11 @@ def test_config_variants_are_checked_like_the_defaults():
         with pytest.raises(ValueError, match=re.escape(
                 f"KernelConfig.balanced_from_tokens must be an int >= 0, got {bad!r}")):
             KernelConfig(balanced_from_tokens=bad)
+    for bad in (0, 0.0, 1.5, -0.5, True, "0.5"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"KernelConfig.whole_row_fill must be in (0, 1], got {bad!r}")):
+            KernelConfig(whole_row_fill=bad)
+    assert _pkv_variant("pkv-auto:wholefill0.95") == ("auto", None, {"whole_row_fill": 0.95})
     assert _pkv_variant("pkv-auto:pps3:maxreg168") == (
         "auto", None, {"programs_per_sm": 3, "max_registers": 168})
     assert _pkv_variant("pkv-auto:blockn64:longblockn128:longfrom1024") == (
