@@ -101,6 +101,39 @@ def test_a_last_page_tail_takes_no_weight():
     assert (empty.pools[0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype, kv_scale", [(torch.float16, "tensor"), (FP8, "token")])
+def test_a_page_given_back_keeps_no_non_finite_v(dtype, kv_scale, monkeypatch):
+    """A NaN and an inf in one sequence's V stay with it: free_sequence zeroes V (per-token
+    scales 1) in its pages, so the next sequence on the page, shorter than it, reads finite
+    tails; an append that fails after writing gives its new pages back the same way."""
+    extra = dict(kv_scale=kv_scale) if dtype == FP8 else {}
+    cache = PagedKVCache(num_layers=1, num_pages=1, page_size=16, num_kv_heads=2, head_dim=32,
+                         dtype=dtype, layout="HND_VT", device=DEVICE, **extra)
+    k = torch.randn(1, 16, 2, 32, dtype=torch.float16)
+    v = torch.randn(1, 16, 2, 32, dtype=torch.float16)
+    v[0, 7, 0, 3], v[0, 12, 1, 5] = float("nan"), float("inf")
+    cache.add_sequence("a")
+    cache.append("a", k, v)
+    cache.free_sequence("a")
+    cache.add_sequence("b")
+    cache.append("b", k[:, :5], v[:, :5])
+    q = torch.randn(1, HEADS["num_qo_heads"], 32, dtype=torch.float16).to(DEVICE)
+    out, ref = _run(cache, q, backend="split")
+    assert out.isfinite().all() and relative_error(out, ref) <= TOLERANCE[torch.float16]
+    cache.free_sequence("b")
+    write = cache._write
+
+    def write_then_fail(*args):
+        write(*args)
+        raise RuntimeError("a write that fails after its tokens are in")
+    monkeypatch.setattr(cache, "_write", write_then_fail)
+    cache.add_sequence("c")
+    with pytest.raises(RuntimeError, match="fails after"):
+        cache.append("c", k, v)
+    assert (cache.pools[0][:, 1].float() == 0).all() and cache.seq_len("c") == 0
+    assert cache.kv_scales is None or (cache.kv_scales[0][:, 1] == 1).all()
+
+
 def test_bad_caches_are_refused():
     with pytest.raises(ValueError, match="HND_VT layout takes a page_size that is a power of two, got 12"):
         PagedKVCache(num_layers=1, num_pages=4, page_size=12, num_kv_heads=2, head_dim=32,

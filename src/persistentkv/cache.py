@@ -7,7 +7,9 @@ transposed (V[p, h, s, d] at element d * S + s of the block): a page's tokens ar
 each d, so a kernel reads V's tiles as it reads K's (an e4m3 V tile is otherwise read byte by
 byte; docs/perf-notes.md, v17). Its contract: every slot holds a finite value, since the kernel
 reads a row's last page whole (the slots past the row's length get no weight, and 0 x NaN would
-be NaN); an HND_VT PagedKVCache is zero-filled for that. FlashInfer and vLLM do not read it.
+be NaN); an HND_VT PagedKVCache is zero-filled for that, and zeroes V (its per-token scales
+set to 1) in every page it takes back, so a page's next sequence does not inherit a NaN or inf
+in the slots it leaves unwritten. FlashInfer and vLLM do not read it.
 An fp8 cache (dtype=torch.float8_e4m3fn) quantizes on append, with scales per tensor or per token
 (quant.py).
 """
@@ -130,7 +132,9 @@ class PagedKVCache:
         self.allocator.add(seq_id)
 
     def free_sequence(self, seq_id: object) -> None:
+        pages = list(self.allocator.sequence(seq_id).pages)
         self.allocator.free(seq_id)
+        self._clear_v(pages)
 
     def seq_len(self, seq_id: object) -> int:
         return self.allocator.sequence(seq_id).length
@@ -162,6 +166,8 @@ class PagedKVCache:
         try:
             self._write(pages, slots, k, v)
         except BaseException:
+            taken = self.allocator.sequence(seq_id).pages[pages_before:]
+            self._clear_v(taken)
             self.allocator.undo_append(seq_id, n, pages_before=pages_before)
             raise
 
@@ -230,6 +236,18 @@ class PagedKVCache:
                     pool[p, kv, :, s] = rows
                 else:                                                    # HND_VT's V
                     v_transposed(pool)[p, :, :, s] = rows
+
+    def _clear_v(self, pages: list[int]) -> None:
+        """HND_VT: V of `pages` back to zeros (per-token scales 1) in every layer, the state its
+        contract asks of a page that no sequence holds (the module's docstring); other layouts
+        mask the slots past a row's length and need nothing."""
+        if self.layout != "HND_VT" or not pages:
+            return
+        p = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        for layer, pool in enumerate(self.pools):
+            pool[p, 1] = 0
+            if self.kv_scales is not None:
+                self.kv_scales[layer][p, 1] = 1.0
 
     def _quantized(self, x: torch.Tensor, layer: int, first: int) -> torch.Tensor:
         """Pages first.. of a pool, x (fp32, [n, 2, ...] in the layout), in fp8; their scales set
