@@ -1,10 +1,13 @@
 """Page allocator and cache writes: page boundaries, free and reuse, running out of pages."""
+import types
+
 import numpy as np
 import pytest
 import torch
 
 from paged_case import csr_kwargs
 from persistentkv import OutOfPagesError, PageAllocator, PagedKVCache
+from persistentkv import allocator as allocator_module
 
 
 def test_append_across_page_boundaries():
@@ -140,9 +143,31 @@ def test_undo_append_checks_before_it_changes_anything():
     for kwargs, error in ((dict(num_tokens=1, pages_before=-1), ValueError),
                           (dict(num_tokens="a", pages_before=0), TypeError),
                           (dict(num_tokens=10, pages_before=0), ValueError),
-                          (dict(num_tokens=1, pages_before=3), ValueError)):
+                          (dict(num_tokens=1, pages_before=3), ValueError),
+                          (dict(num_tokens=1, pages_before=0), ValueError)):   # 2 tokens left
         with pytest.raises(error):
             alloc.undo_append("s", **kwargs)
         assert (alloc.free_pages, alloc.sequence("s").pages, alloc.sequence("s").length) == before
     alloc.undo_append("s", 3, pages_before=0)
     assert alloc.num_free_pages == 4 and alloc.sequence("s").length == 0
+
+
+def test_append_that_fails_midway_changes_nothing(monkeypatch):
+    """append() takes its pages off the free list only once the slots are computed: a failure
+    there (here a MemoryError from numpy) leaves the free list and the sequence as they were."""
+    alloc = PageAllocator(4, 2)
+    alloc.add("s")
+    alloc.append("s", 1)
+    before = (alloc.free_pages, alloc.sequence("s").pages[:], alloc.sequence("s").length)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no room for the positions")
+    monkeypatch.setattr(allocator_module, "np", types.SimpleNamespace(arange=no_memory,
+                                                                      int64=np.int64))
+    with pytest.raises(MemoryError):
+        alloc.append("s", 5)
+    monkeypatch.undo()
+    assert (alloc.free_pages, alloc.sequence("s").pages, alloc.sequence("s").length) == before
+    pages, slots = alloc.append("s", 5)
+    assert alloc.sequence("s").length == 6 and alloc.num_free_pages == 1
+    assert list(slots) == [1, 0, 1, 0, 1] and len(set(pages.tolist())) == 3

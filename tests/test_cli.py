@@ -278,11 +278,13 @@ def test_explain_plans_chunks_from_shorter_splits_at_head_dim_256(capsys):
 
 def test_grid_cells_name_uniform_batches_off_the_grid():
     """'B<rows> L<K>K' names a uniform batch the grid lacks; the grid's own names keep their
-    lengths and the grid's order; a malformed or oversized name is refused."""
+    lengths and the grid's order; a malformed name, or one of more tokens than the grid's
+    largest cells (GRID_MAX_TOKENS), is refused."""
     from persistentkv.bench.suite import grid_cases
     cases = grid_cases(["B16 L2K", "B1 L1K", "B4 zipf"])
     assert cases[:2] == [("B1 L1K", [1024]), ("B4 zipf", [430, 647, 1891, 1622])]
     assert cases[2] == ("B16 L2K", [2048] * 16)
-    for name in ("B0 L1K", "B16 L2k", "B5000 L1K", "B2 L2048K", "B16 L02K"):
+    assert grid_cases(["B4 L1024K"]) == [("B4 L1024K", [1 << 20] * 4)]   # 4M tokens, the most
+    for name in ("B0 L1K", "B16 L2k", "B5000 L1K", "B2 L4096K", "B16 L02K", "B8 L1024K"):
         with pytest.raises(ValueError, match=re.escape(f"unknown grid cell(s) [{name!r}]")):
             grid_cases([name])

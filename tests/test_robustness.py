@@ -1,4 +1,6 @@
 """Batch invariance, shared pages, NaN/Inf behaviour, malformed page tables, two streams."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -196,6 +198,11 @@ def test_write_slots_checks_every_index_first():
                                 ([0.0, 1.0, 2.0], [0, 1, 2], "pages must be 3 integers")):
         with pytest.raises(ValueError, match=match):
             cache.write_slots(np.asarray(pages), np.asarray(slots), k, k)
+    for pages, match in (([[0, 1], 2, 3], "pages must be 3 integers"),
+                         (torch.zeros(3, dtype=torch.int64, device="meta"),
+                          "pages is on the meta device")):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            cache.write_slots(pages, [0, 1, 2], k, k)
     assert all((pool == 0).all() for pool in cache.pools)
     cache.write_slots(torch.tensor([0, 1, 3]), [0, 1, 3], k, k)
     assert cache.pools[1][3, 1].float().sum() == 16

@@ -181,7 +181,9 @@ def test_random_variants(data):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(window_left=-2), ValueError, r"window_left must be -1 \(no window\) or >= 0, got -2"),
+    (dict(window_left=-2), ValueError,
+     r"window_left must be -1 \(no window\) or in \[0, 2\^30\), got -2"),
+    (dict(window_left=2**63 - 1), ValueError, r"window_left must be .*, got 9223372036854775807"),
     (dict(window_left=1.5), TypeError, r"window_left must be an int \(-1: no window\), got 1.5"),
     (dict(window_left=True), TypeError, r"window_left must be an int \(-1: no window\), got True"),
     (dict(logits_soft_cap=-1.0), ValueError, r"logits_soft_cap must be 0 or a positive finite "

@@ -97,13 +97,16 @@ class PageAllocator:
                 f"sequence {seq_id!r} needs {need} more pages for {num_tokens} tokens, "
                 f"but only {len(self._free)} of {self.num_pages} are free"
             )
-        for _ in range(need):
-            seq.pages.append(self._free.pop())
+        taken = self._free[len(self._free) - need:][::-1]   # as pop() would take them
         positions = np.arange(seq.length, seq.length + num_tokens, dtype=np.int64)
-        table = np.asarray(seq.pages, dtype=np.int64)
+        table = np.asarray(seq.pages + taken, dtype=np.int64)
         pages = table[positions // self.page_size] if num_tokens else positions
+        slots = positions % self.page_size
+        # nothing changes before here, so a failure above (memory) leaves the allocator as it was
+        del self._free[len(self._free) - need:]
+        seq.pages.extend(taken)
         seq.length += num_tokens
-        return pages, positions % self.page_size
+        return pages, slots
 
     def undo_append(self, seq_id: object, num_tokens: int, *, pages_before: int) -> None:
         """Take back the last append of `num_tokens` tokens to `seq_id`, which had `pages_before`
@@ -111,10 +114,11 @@ class PageAllocator:
         seq = self.sequence(seq_id)
         num_tokens = check_count("num_tokens", num_tokens)
         pages_before = check_count("pages_before", pages_before)
-        if num_tokens > seq.length or pages_before > len(seq.pages):
+        if num_tokens > seq.length or pages_before > len(seq.pages) \
+                or seq.length - num_tokens > pages_before * self.page_size:
             raise ValueError(f"sequence {seq_id!r} holds {seq.length} tokens on {len(seq.pages)} "
                              f"pages: it cannot take back num_tokens={num_tokens} to "
-                             f"pages_before={pages_before}")
+                             f"pages_before={pages_before} (its tokens left must fit them)")
         while len(seq.pages) > pages_before:
             self._free.append(seq.pages.pop())
         seq.length -= num_tokens

@@ -184,8 +184,14 @@ class PagedKVCache:
         index = []
         for name, values, bound in (("pages", pages, self.num_pages), ("slots", slots, self.page_size)):
             if isinstance(values, torch.Tensor):
+                if values.device.type == "meta":
+                    raise ValueError(f"{name} is on the meta device: it holds no indices")
                 values = values.detach().cpu().numpy()
-            arr = np.asarray(values)
+            try:
+                arr = np.asarray(values)
+            except ValueError:   # a ragged list
+                raise ValueError(f"{name} must be {n} integers (k has {n} tokens), got "
+                                 f"{values!r:.80}") from None
             if arr.shape != (n,) or (n and not np.issubdtype(arr.dtype, np.integer)):
                 raise ValueError(f"{name} must be {n} integers (k has {n} tokens), got "
                                  f"{arr.dtype} of shape {list(arr.shape)}")

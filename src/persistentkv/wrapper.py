@@ -291,8 +291,8 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         sm_scale = check_fp32_scale("sm_scale", sm_scale, factor=LOG2_E)
     if not isinstance(window_left, numbers.Integral) or isinstance(window_left, bool):
         raise TypeError(f"window_left must be an int (-1: no window), got {window_left!r}")
-    if window_left < -1:
-        raise ValueError(f"window_left must be -1 (no window) or >= 0, got {window_left}")
+    if not -1 <= window_left < 2**30:   # the kernels' int32 positions, with room for the queries
+        raise ValueError(f"window_left must be -1 (no window) or in [0, 2^30), got {window_left}")
     logits_soft_cap = check_fp32_scale("logits_soft_cap", logits_soft_cap, zero=True,
                                        factor=LOG2_E)   # 0: none; the kernel takes cap * log2(e)
     if deterministic:   # a per-step choice of schedule or split would break batch invariance

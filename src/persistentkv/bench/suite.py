@@ -52,7 +52,8 @@ FUNCTIONAL_PARAMS = {"buckets": (24, 90), "out_min": 2, "out_max": 3}  # small e
 
 def grid_cases(names: list[str] | None = None) -> list[tuple[str, list[int]]]:
     """The grid's cells (name, row lengths), or the named ones in the grid's order, then any
-    uniform batch off the grid named 'B<rows> L<K>K' (e.g. 'B16 L2K': 16 rows of 2048 tokens)."""
+    uniform batch off the grid named 'B<rows> L<K>K' (e.g. 'B16 L2K': 16 rows of 2048 tokens;
+    at most GRID_MAX_TOKENS tokens, as the grid's own cells)."""
     cells = [(f"B{b} L{n // 1024}K", [n] * b) for b in GRID_BATCHES for n in GRID_LENGTHS
              if b * n <= GRID_MAX_TOKENS] + list(GRID_MIXES.items()) + list(GRID_EXTRA.items())
     if names is None:
@@ -62,14 +63,16 @@ def grid_cases(names: list[str] | None = None) -> list[tuple[str, list[int]]]:
     unknown = [n for n, lens in extra.items() if lens is None]
     if unknown:
         raise ValueError(f"unknown grid cell(s) {unknown}; choose from {[n for n, _ in cells]} "
-                         f"or name a uniform batch 'B<rows> L<K>K'")
+                         f"or name a uniform batch 'B<rows> L<K>K' of at most "
+                         f"{GRID_MAX_TOKENS} tokens")
     return [(n, lens) for n, lens in cells if n in names] + list(extra.items())
 
 
 def _uniform_cell(name: str) -> list[int] | None:
-    """Row lengths of a cell named 'B<rows> L<K>K' (rows 1-4096, 1-1024 K tokens), else None."""
-    match = re.fullmatch(r"B([1-9][0-9]*) L([1-9][0-9]*)K", name)
-    if match is None or int(match[1]) > 4096 or int(match[2]) > 1024:
+    """Row lengths of a cell named 'B<rows> L<K>K' of at most GRID_MAX_TOKENS tokens, else
+    None."""
+    match = re.fullmatch(r"B([1-9][0-9]{0,6}) L([1-9][0-9]{0,6})K", name)
+    if match is None or int(match[1]) * int(match[2]) * 1024 > GRID_MAX_TOKENS:
         return None
     return [int(match[2]) * 1024] * int(match[1])
 
