@@ -83,24 +83,34 @@ def test_ranks_merge_to_the_whole_rows(tmp_path, world, placement, method, min_p
     assert (errors[:, 2] == 1).all(), errors
 
 
-def _merge_rank(rank, world, port, method, result_path):
-    """Rank r's (o, lse) for 3 rows of 2 heads (every rank draws all ranks' from one seed): row 0
-    held by rank 0 alone, row 1 by rank 1 alone, row 2 by both; a rank without a row's tokens
-    gives lse -inf and an o row of NaN and inf, as an unwritten output can hold."""
+def _merge_rank(rank, world, port, method, with_sinks, result_path):
+    """Rank r's (o, lse) for 4 rows of 2 heads (every rank draws all ranks' from one seed): row 0
+    held by rank 0 alone, row 1 by rank 1 alone, row 2 by both, row 3 by none; a rank without a
+    row's tokens gives lse -inf and an o row of NaN and inf, as an unwritten output can hold.
+    with_sinks: a sink of -inf on head 0 (none) and 0.7 on head 1."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         gen = torch.Generator().manual_seed(3)
-        o = torch.randn(world, 3, 2, 16, generator=gen, dtype=torch.float64)
-        lse = torch.randn(world, 3, 2, generator=gen, dtype=torch.float64)
-        lse[1, 0] = lse[0, 1] = float("-inf")
-        o[1, 0], o[0, 1] = float("nan"), float("inf")
-        out, merged_lse = merge_across_ranks(o[rank].float(), lse[rank].float(), method=method)
-        w = torch.exp(lse - lse.amax(dim=0))                                   # [W, 3, 2]
+        o = torch.randn(world, 4, 2, 16, generator=gen, dtype=torch.float64)
+        lse = torch.randn(world, 4, 2, generator=gen, dtype=torch.float64)
+        lse[1, 0] = lse[0, 1] = lse[:, 3] = float("-inf")
+        o[1, 0], o[0, 1], o[:, 3] = float("nan"), float("inf"), float("nan")
+        sinks = torch.tensor([float("-inf"), 0.7], dtype=torch.float64)
+        out, merged_lse = merge_across_ranks(o[rank].float(), lse[rank].float(), method=method,
+                                             sinks=sinks.float() if with_sinks else None)
+        ref_lse = torch.logsumexp(lse, dim=0)                                 # [4, 2]
+        w = torch.exp(lse - torch.where(torch.isneginf(ref_lse), 0.0, ref_lse))
         ref = (w[..., None] * torch.where(torch.isneginf(lse)[..., None], 0.0, o)).sum(0)
-        ref = ref / w.sum(0)[..., None]
-        ref_lse = torch.logsumexp(lse, dim=0)
-        errors = (relative_error(out, ref), relative_error(merged_lse, ref_lse))
+        if with_sinks:
+            with_sink = torch.logaddexp(ref_lse, sinks)
+            ref = ref * torch.where(torch.isneginf(with_sink), 0.0,
+                                    torch.exp(ref_lse - with_sink))[..., None]
+            ref_lse = with_sink
+        finite = torch.isfinite(ref_lse)
+        errors = (relative_error(out, ref), relative_error(merged_lse[finite], ref_lse[finite]),
+                  float(not torch.equal(torch.isneginf(merged_lse), torch.isneginf(ref_lse))),
+                  float(not out.isfinite().all()))
         if rank == 0:
             np.save(result_path, np.array(errors))
     finally:
@@ -109,9 +119,12 @@ def _merge_rank(rank, world, port, method, result_path):
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU test of the gloo path (a GPU run takes NCCL and 2 GPUs)")
 @pytest.mark.parametrize("method", ["all_gather", "all_reduce"])
-def test_merge_ignores_the_output_of_ranks_without_tokens(tmp_path, method):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_merge_ignores_the_output_of_ranks_without_tokens(tmp_path, method, with_sinks):
+    """Against a float64 merge; a row no rank holds merges to (0, -inf), under a sink of -inf
+    too, and to (0, sink) under a finite one."""
     path = str(tmp_path / "errors.npy")
-    mp.spawn(_merge_rank, args=(2, _free_port(), method, path), nprocs=2)
+    mp.spawn(_merge_rank, args=(2, _free_port(), method, with_sinks, path), nprocs=2)
     errors = np.load(path)
     assert (errors <= 1e-6).all(), errors
 

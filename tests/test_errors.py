@@ -350,6 +350,10 @@ def test_num_sms_sizes_the_grid_and_the_split_rule():
      "page_size must be >= 1, got 0"),
     (dict(row_pages=([0.5],), seq_lens=[3]), TypeError, r"row_pages\[0\] must be a 1-D integer"),
     (dict(row_pages=([],), seq_lens=[-1]), ValueError, "seq_lens must be >= 0, got -1"),
+    (dict(row_pages=([7, 2**32 + 3],), seq_lens=[5]), ValueError,
+     r"row_pages\[0\] must fit in int32 \(the exported tables' type\), got 4294967299"),
+    (dict(row_pages=([0] * 8,), seq_lens=[2**31], page_size=2**28), ValueError,
+     r"seq_lens must fit in int32 .*, got 2147483648"),
 ])
 def test_page_table_checks_its_rows(kwargs, error, match):
     """A PageTable's rows hold exactly the pages their tokens fill (its CSR form says no other)."""
@@ -359,6 +363,8 @@ def test_page_table_checks_its_rows(kwargs, error, match):
 
 def test_page_table_takes_lists_and_checks_pad_to():
     table = PageTable(row_pages=([], [2, 5]), seq_lens=[0, 7], page_size=4)
+    twin = PageTable(row_pages=([], [2, 5]), seq_lens=[0, 7], page_size=4)
+    assert table == table and table != twin and len({table, twin}) == 2   # by identity
     assert table.seq_lens.dtype == np.int64 and table.row_pages[1].dtype == np.int64
     assert table.block_table(pad_to=3)[0].tolist() == [[0, 0, 0], [2, 5, 0]]
     with pytest.raises(TypeError, match="pad_to must be an int, got float 2.5"):

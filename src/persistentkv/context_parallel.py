@@ -162,7 +162,8 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
     merged_lse = top + torch.log(total)
     if sinks is not None:
         with_sink = torch.logaddexp(merged_lse, sinks[None, :])
-        out = out * torch.exp(merged_lse - with_sink)[..., None]
+        kept = torch.exp(merged_lse - with_sink)   # an empty row under a -inf sink keeps 0
+        out = out * torch.where(torch.isneginf(with_sink), 0.0, kept)[..., None]
         merged_lse = with_sink
     return out.to(o.dtype), merged_lse
 

@@ -9,7 +9,10 @@ import torch
 from .checks import check_count, check_positive_int
 
 
-@dataclass(frozen=True)
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+@dataclass(frozen=True, eq=False)   # numpy rows: compared and hashed by identity
 class PageTable:
     """Pages of each row of a decode batch, in token order.
 
@@ -40,6 +43,11 @@ class PageTable:
                                 f"{list(a.shape)}")
         if lens.size and lens.min() < 0:
             raise ValueError(f"seq_lens must be >= 0, got {int(lens.min())}")
+        for name, a in [("seq_lens", lens)] + [(f"row_pages[{r}]", p) for r, p in enumerate(rows)]:
+            if a.size and (a.min() < INT32_MIN or a.max() > INT32_MAX):   # exported as int32
+                bad = a[(a < INT32_MIN) | (a > INT32_MAX)][0]
+                raise ValueError(f"{name} must fit in int32 (the exported tables' type), got "
+                                 f"{int(bad)}")
         for r, (pages, n) in enumerate(zip(rows, lens)):
             if len(pages) != -(-int(n) // page_size):
                 raise ValueError(f"row {r} has {len(pages)} pages for seq_lens[{r}]={int(n)} "
