@@ -250,9 +250,9 @@ class PagedKVCache:
         if self.layout != "HND_VT" or not pages:
             return
         p = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        for layer, pool in enumerate(self.pools):   # zeros converted, as _write's rows are
-            pool[p, 1] = torch.zeros((len(pages), *pool.shape[2:]), device=self.device).to(
-                pool.dtype)
+        for layer, pool in enumerate(self.pools):
+            zeros = torch.zeros((len(pages), *pool.shape[2:]), device=self.device)
+            pool[p, 1] = zeros.to(pool.dtype)   # converted, as _write's rows are (fp8 too)
             if self.kv_scales is not None:
                 self.kv_scales[layer][p, 1] = 1.0
 

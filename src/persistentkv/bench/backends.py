@@ -476,8 +476,7 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     more as M-blocks of R; 0: never), ':valueblocksV' (programs of 64 rows or more share a
     task's output columns V ways), ':valuestagesS' (their stages; 0: the config's),
     ':wholefillF' (whole rows of even length from rows x KV heads of this fraction of the SMs),
-    e.g.
-    'pkv-split@16:warps8', 'pkv-auto:pps3'.
+    e.g. 'pkv-split@16:warps8', 'pkv-auto:pps3'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """
     unknown = [n for n in names if n not in ALL_BACKENDS and _pkv_variant(n) is None]
