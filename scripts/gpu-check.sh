@@ -60,8 +60,9 @@
 # from 95% of the SMs (:wholefill0.95), against the default where rows x KV heads are 128, at
 # seven presets, rows of 1K and 2K tokens (v46); mblocks: 16 queries a row at llama3-70b and
 # qwen2.5-7b, the default's M-blocks of 64 rows against blocks of 32 and two stages, twice
-# (v31: 0.64-0.87x FlashInfer's prefill on B1 there); padrows: 32-row tiles (8 queries at group 4, 4 at group 8)
-# padded to 64 rows (the default), which Triton compiles to the warp-group MMA, against mma.sync
+# (v31: 0.64-0.87x FlashInfer's prefill on B1 there); padrows: 32-row tiles (8 queries at group
+# 4, 4 at group 8) padded to 64 rows (the default), which Triton compiles to the warp-group MMA,
+# against mma.sync
 # (:padrows16, no padding), twice; widepad: gemma2-9b at 16 queries a row (32-row tiles at head
 # dim 256) with v33's rule (no padding past head dim 128) against tiles padded to 64, twice;
 # d256regs: gemma2-9b's grid with the default's cap of 224 registers against none (the
