@@ -141,7 +141,7 @@ def test_backend_that_cannot_be_captured_is_reported_failed():
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the same commands run the full calibration")
-def test_functional_calibrate_then_evaluate(tmp_path):
+def test_functional_calibrate_then_evaluate(tmp_path, capsys):
     policy_path = tmp_path / "policy.json"
     assert main(["calibrate", "--out", str(policy_path),
                  "--candidates", "pkv-grouped,pkv-split@4"]) == 0
@@ -152,7 +152,24 @@ def test_functional_calibrate_then_evaluate(tmp_path):
     refit_path = tmp_path / "refit.json"
     assert main(["calibrate", "--from-results", str(tmp_path / "policy-measurements.json"),
                  "--objective", "eager_us", "--out", str(refit_path)]) == 0
-    assert json.loads(refit_path.read_text())["table"] == policy["table"]
+    refit = json.loads(refit_path.read_text())
+    assert refit["table"] == policy["table"] and refit["fit"]["seeds"] == policy["fit"]["seeds"]
+    measurements = str(tmp_path / "policy-measurements.json")
+    for argv, message in (
+            (["--from-results", measurements, measurements], "from_results names a file twice"),
+            (["--from-results", measurements], "holds no graph_us timing of a candidate")):
+        assert main(["calibrate", *argv, "--out", str(tmp_path / "bad.json")]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "bad.json").exists()
+    # evaluate refuses the calibration's seeds, and a policy of another shape
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps({**policy, "shape": [32, 8, 128]}))
+    for argv, message in (
+            (["--policy", str(policy_path), "--seeds", str(policy["fit"]["seeds"][0])],
+             f"seeds [{policy['fit']['seeds'][0]}] were the policy's calibration seeds"),
+            (["--policy", str(moved)], "the policy was fitted at (Hq, Hkv, head_dim) = "
+                                      "(32, 8, 128) and plans nothing at the evaluated (8, 2, 64)")):
+        assert main(["evaluate", *argv, "--out", str(tmp_path / "refused")]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "refused").exists()
     assert main(["evaluate", "--policy", str(policy_path), "--out", str(tmp_path),
                  "--backends", "pkv-split"]) == 0
     data = json.loads((tmp_path / "evaluate.json").read_text())

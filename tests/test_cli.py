@@ -25,6 +25,7 @@ from persistentkv.cli import main
     (["evaluate", "--backends", "pkv-split@x"], "unknown backend(s) ['pkv-split@x']"),
     (["bench", "--grid", "--cells", "B1 L1K,B3 zipf"], "unknown grid cell(s) ['B3 zipf']"),
     (["bench", "--cells", "B1 L1K"], "add --grid"),
+    (["calibrate", "--seeds", "1,2,1"], "--seeds names a value twice, got '1,2,1'"),
     (["bench", "--preset", "llama3-70b-tp8", "--num-kv-heads", "2"],
      "--preset llama3-70b-tp8 sets the heads and head dim; drop ['--num-kv-heads']"),
     (["calibrate", "--preset", "llama3-8b,gpt-oss"],
@@ -68,6 +69,28 @@ def test_report_refuses_a_file_that_is_no_results_before_writing(tmp_path, capsy
     assert "is not a results file of `persistentkv bench`: it has no 'summary', 'environment'" \
         in capsys.readouterr().err
     assert not (tmp_path / "plots").exists()
+
+
+def test_refit_refuses_files_that_are_no_results(tmp_path, capsys):
+    """Each --from-results file is read as a results file, named when it is not one; files of
+    two GPUs are not fitted together."""
+    text, no_steps = tmp_path / "notes.txt", tmp_path / "summary.json"
+    text.write_text("not json")
+    no_steps.write_text(json.dumps({"environment": {"device": "test"}}))
+    for path, message in ((text, "is no results JSON"),
+                          (no_steps, "holds no 'environment' and 'steps'")):
+        assert main(["calibrate", "--from-results", str(path), "--out",
+                     str(tmp_path / "p.json")]) == 2
+        assert f"from_results file {str(path)!r} {message}" in capsys.readouterr().err
+    paths = []
+    for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        paths.append(tmp_path / f"{gpu}.json")
+        paths[-1].write_text(json.dumps({"environment": {"device": gpu}, "steps": []}))
+    assert main(["calibrate", "--from-results", *map(str, paths), "--out",
+                 str(tmp_path / "p.json")]) == 2
+    assert "from_results files were measured on different GPUs or shapes" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_refit_from_results_without_candidate_steps(tmp_path, capsys):

@@ -155,6 +155,8 @@ def _ints(option: str, text: str, *, minimum: int) -> list[int]:
         raise ValueError(f"{option} expects comma-separated integers, got {text!r}") from None
     if not values or min(values) < minimum:
         raise ValueError(f"{option} expects one or more integers >= {minimum}, got {text!r}")
+    if len(set(values)) < len(values):
+        raise ValueError(f"{option} names a value twice, got {text!r}")
     return values
 
 

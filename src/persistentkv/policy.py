@@ -236,7 +236,11 @@ def fit_policy(steps: list[dict], *, gpu: str, objective: str = "graph_us",
     if objective not in modes:
         raise ValueError(f"objective must be 'graph_us' or 'eager_us', got {objective!r}")
     by_bin: dict[str, dict[Choice, list]] = {}
+    seen = set()
     for s in steps:
+        if (s["step_key"], s["choice"]) in seen:   # a repeat would count one step twice
+            raise ValueError(f"steps hold step_key={s['step_key']!r} twice for {s['choice']}")
+        seen.add((s["step_key"], s["choice"]))
         ok = s["status"] == "ok"
         by_bin.setdefault(s["bin"], {}).setdefault(s["choice"], []).append(
             {m: s.get(m, float("inf")) if ok else float("inf") for m in modes})

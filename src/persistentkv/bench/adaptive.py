@@ -59,14 +59,37 @@ def calibration_steps(measured: list[Measured]) -> list[dict]:
     return rows
 
 
+def read_measurements(paths: list[Path]) -> list[dict]:
+    """The results files at `paths` (`persistentkv bench`, calibrate's measurements, evaluate),
+    each checked to be one, all of one GPU and shape, no file twice; their parsed JSON."""
+    if len(set(map(str, paths))) < len(paths):
+        raise ValueError(f"from_results names a file twice: {[str(p) for p in paths]}")
+    files = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"from_results file {str(path)!r} is no results JSON: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("steps"), list) \
+                or not isinstance(data.get("environment"), dict):
+            raise ValueError(f"from_results file {str(path)!r} holds no 'environment' and "
+                             f"'steps' (is it a results file of persistentkv bench?)")
+        files.append(data)
+    where = {(f["environment"].get("device"), json.dumps(f["environment"].get("shape"),
+                                                         sort_keys=True)) for f in files}
+    if len(where) > 1:
+        raise ValueError(f"from_results files were measured on different GPUs or shapes: "
+                         f"{sorted(where, key=str)}")
+    return files
+
+
 def measured_from_results(paths: list[Path]) -> list[Measured]:
     """Measured steps read back from `persistentkv bench` JSON files (to refit without a GPU)."""
     out = []
-    for path in paths:
-        data = json.loads(Path(path).read_text())
+    for path, data in zip(paths, read_measurements(paths)):
         cases: dict[str, Measured] = {}
         for s in data["steps"]:
-            m = cases.setdefault(s["case"], Measured(name=f"{Path(path).stem}:{s['case']}",
+            m = cases.setdefault(s["case"], Measured(name=f"{path}:{s['case']}",
                                                      batch_slots=s["rows"], layers=0))
             m.steps.append({k: v for k, v in s.items() if k != "case"})
         out.extend(cases.values())
@@ -92,11 +115,17 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         raise ValueError(f"--out {str(out_path)!r} is a folder; it names the policy file to write")
     check_out_dir(out_path.parent)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if from_results is not None and not from_results:
+        raise ValueError("from_results names no file")
     if from_results:
         measured = measured_from_results(from_results)
-        env = json.loads(Path(from_results[0]).read_text())["environment"]
+        envs = [f["environment"] for f in read_measurements(from_results)]
+        env = envs[0]
         gpu = env["device"]
         info = {"from_results": [str(p) for p in from_results]}
+        seeds = sorted({seed for e in envs for seed in e.get("seeds", [])})
+        if seeds:   # the trace seeds measured, which evaluate then refuses as held out
+            info["seeds"] = seeds
         fitted = env.get("shape")   # files without it were measured at the default shape
         fitted = shape if fitted is None else ModelShape(**{k: fitted[k] for k in (
             "num_qo_heads", "num_kv_heads", "head_dim")}, kv_fp8=fitted.get("kv_fp8"),
@@ -122,16 +151,22 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
                         "head_dim": shape.head_dim, "page_size": shape.page_size,
                         "kv_fp8": shape.kv_fp8}
+        env["seeds"] = list(seeds)
         fitted = shape
         summary = [r for m in measured for r in summarize(m, ceiling_tbps=None)]
         steps = [{"case": m.name, **s} for m in measured for s in m.steps]
         write_results(out_path.parent, env=env, summary=summary, steps=steps,
                       tag=f"{out_path.stem}-measurements")
     steps = calibration_steps(measured)
+    objective = "eager_us" if functional else objective
+    timed = [s for s in steps if s["status"] == "ok" and math.isfinite(s.get(objective, math.nan))]
+    if steps and not timed:   # e.g. a functional run's files (no graph times) fitted on graph_us
+        raise ValueError(f"from_results holds no {objective} timing of a candidate (a CPU "
+                         f"run has eager times only: --objective eager_us)")
     if not steps:   # measurements read back, of other backends only
         raise ValueError(f"from_results={[str(p) for p in from_results]} holds no step of a "
                          f"candidate (pkv-grouped, pkv-split, pkv-balanced, pkv-split@N)")
-    policy = fit_policy(steps, gpu=gpu, objective="eager_us" if functional else objective,
+    policy = fit_policy(steps, gpu=gpu, objective=objective,
                         shape=(fitted.num_qo_heads, fitted.num_kv_heads, fitted.head_dim),
                         page_size=fitted.page_size,
                         info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
@@ -178,17 +213,28 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     """Measure `backends` and pkv-auto deciding with `policy` on the held-out seeds; write the
     results with the evaluation table (evaluation_table) in their environment."""
     functional = device.type != "cuda"
+    fit_seeds = sorted(set(seeds) & set(policy.fit.get("seeds", [])))
+    if fit_seeds:
+        raise ValueError(f"seeds {fit_seeds} were the policy's calibration seeds "
+                         f"({policy.fit['seeds']}); evaluate judges it on held-out ones")
+    if functional:
+        shape, opts = functional_setup(shape, opts)
+    if not policy.applies_to(num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+                             head_dim=shape.head_dim):
+        raise ValueError(f"the policy was fitted at (Hq, Hkv, head_dim) = {tuple(policy.shape)} "
+                         f"and plans nothing at the evaluated "
+                         f"{(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim)}")
     check_out_dir(out_dir)
     if functional:
         print("No GPU: a functional evaluation through Triton's interpreter; its timings mean nothing.")
-        shape, opts = functional_setup(shape, opts)
     names = list(backends) + ([AUTO] if AUTO not in backends else [])
     built, skipped = make_backends(names, layout=shape.layout, device=device, policy=policy)
     for name, why in skipped.items():
         print(f"skipping {name}: {why}")
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
     env.update(bandwidth_ceiling(device), bare_launch_us=bare_launch_us(device),
-               policy={"gpu": policy.gpu, "fit": policy.fit}, seeds=list(seeds))
+               policy={"gpu": policy.gpu, "shape": policy.shape, "fit": policy.fit},
+               seeds=list(seeds))
     measured = []
     for name, trace in _traces(POLICY_TRACES, seeds, functional):
         print(f"evaluating on {name}", flush=True)
