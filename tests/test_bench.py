@@ -234,19 +234,28 @@ def test_evaluation_table_compares_pkv_auto_with_the_best_fixed_and_flashinfer()
     assert evaluation_table([row("pkv-split", 1.0, 1.0)], [Measured("t", 2, 1, steps)]) == []
 
 
-def test_report_draws_the_speedup_over_flashinfer(tmp_path):
-    """A results file with FlashInfer's best in it gets the paper-style speedup plot too."""
+def test_report_draws_the_speedup_over_flashinfer(tmp_path, capsys):
+    """A results file with FlashInfer's best in it gets the paper-style speedup plot too, with no
+    bar where FlashInfer failed a case (no fi-best row there); an --out that is a file is refused
+    before anything is drawn."""
     rows, steps = [], []
-    for case in ("B1 L1K", "B8 zipf"):
+    for case in ("B1 L1K", "B8 zipf", "B4 zipf"):
         for backend, us in (("pkv-split", 8.0), ("fi-best", 10.0)):
+            if case == "B4 zipf" and backend == "fi-best":
+                continue
+            speedups = ({"speedup_graph_vs_fi_best": 10.0 / us, "speedup_eager_vs_fi_best": 1.0}
+                        if case != "B4 zipf" else {})
             rows.append({"case": case, "backend": backend, "status": "ok",
                          "tokens_per_s_graph": 1e6 / us, "tokens_per_s_eager": 1e5 / us,
-                         "speedup_graph_vs_fi_best": 10.0 / us, "speedup_eager_vs_fi_best": 1.0})
+                         **speedups})
             steps.append({"case": case, "backend": backend, "status": "ok", "graph_us": us,
                           "tokens": 1024, "rows": 1, "kv_bytes": 4e6})
     path = tmp_path / "grid.json"
     path.write_text(json.dumps({"environment": {"device": "test", "ceiling_tbps": 4.4},
                                 "summary": rows, "steps": steps}))
+    (tmp_path / "afile").write_text("")
+    assert main(["report", str(path), "--out", str(tmp_path / "afile")]) == 2
+    assert "is a file; it names the folder" in capsys.readouterr().err
     assert main(["report", str(path), "--out", str(tmp_path / "plots")]) == 0
     written = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert written == ["grid-bandwidth.png", "grid-throughput.png", "grid-vs-flashinfer.png"]

@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from .results import FI_BEST
+from .results import FI_BEST, check_out_dir
 
 
 RESULTS_KEYS = ("summary", "steps", "environment")
@@ -34,6 +34,7 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     loaded = [(path, load_results(path)) for path in paths]   # every file, before any output
+    check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for path, data in loaded:
@@ -50,7 +51,7 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.2), 5))
         _grouped_bars(ax, cases, backends, by, throughput)
         ax.set_yscale("log")
-        ax.set_ylabel("decode tokens / s (one layer, graph replay)")
+        ax.set_ylabel("decode tokens / s (every layer of a step; graph replay, else eager)")
         ax.set_title(f"Throughput per backend ({env['device']})")
         ax.legend(fontsize=7, ncol=2)
         written.append(_save(fig, out_dir / f"{Path(path).stem}-throughput.png"))
@@ -75,7 +76,8 @@ def make_report(paths: list[Path], out_dir: Path) -> list[Path]:
         if FI_BEST in backends and mine:
             fig, axes = plt.subplots(2, 1, figsize=(max(9, len(cases) * 0.75), 9), sharey=True)
             for ax, mode in zip(axes, ("graph", "eager")):
-                _grouped_bars(ax, cases, mine, by, lambda row: row[f"speedup_{mode}_vs_fi_best"])
+                _grouped_bars(ax, cases, mine, by,   # NaN (no bar) where FlashInfer failed a case
+                              lambda row: row.get(f"speedup_{mode}_vs_fi_best", math.nan))
                 ax.axhline(1.0, color="k", lw=1)
                 ax.set_title(f"{mode} mode")
                 ax.set_ylabel("speedup over FlashInfer's best (x)")
@@ -117,6 +119,7 @@ def matrix_heatmap(paths: list[Path], out_path: Path, *, backend: str = "pkv-aut
     from matplotlib.colors import TwoSlopeNorm
 
     shapes, cases, ratio = speedup_matrix(paths, backend=backend)
+    check_out_dir(out_path.parent)
     grid = [[ratio.get((s, c), math.nan) for c in cases] for s in shapes]
     fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.62), max(3, len(shapes) * 0.5 + 1.5)))
     image = ax.imshow(grid, cmap="RdYlGn", norm=TwoSlopeNorm(vmin=0.8, vcenter=1.0, vmax=1.3),
