@@ -285,6 +285,13 @@ def test_bad_steps_are_refused_before_the_cache_is_written():
         with pytest.raises(ValueError, match=match):
             paged_attention_forward(mod, query, kv, kv, None, cache=cache, **kwargs)
         assert not pages.any() and not cache.value_cache[0].any()
+    with pytest.raises(ValueError, match=r"applies no dropout; got dropout=0.1 \(put the model "
+                                         r"in eval mode\)"):
+        paged_attention_forward(module, q, kv, kv, None, cache=cache, dropout=0.1, **meta)
+    partial = SimpleNamespace(**{k: v for k, v in vars(cache).items() if k != "key_cache"})
+    with pytest.raises(TypeError, match="the cache given \\(SimpleNamespace\\) has no key_cache"):
+        paged_attention_forward(module, q, kv, kv, None, cache=partial, **meta)
+    assert not pages.any() and not cache.value_cache[0].any()
 
 
 def test_a_negative_soft_cap_caps_as_its_magnitude(monkeypatch):

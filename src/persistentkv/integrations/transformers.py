@@ -273,6 +273,11 @@ class _GroupPlan:
         self.staging: _Staging | None = None
 
 
+# what paged_attention_forward reads of transformers' PagedAttentionCache
+CACHE_ATTRIBUTES = ("num_key_value_heads", "head_dim", "block_size",
+                    "layer_index_to_group_indices", "key_cache", "value_cache")
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None, *,
                             cache=None, cu_seq_lens_q=None, cu_seq_lens_k=None,
@@ -287,6 +292,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"{NAME} runs float16 or bfloat16 models; this one computes in "
                         f"{query.dtype} (load it with dtype=torch.bfloat16)")
+    if kwargs.get("dropout"):   # transformers passes the module's dropout only when training
+        raise ValueError(f"{NAME} is decode attention and applies no dropout; got "
+                         f"dropout={kwargs['dropout']} (put the model in eval mode)")
     _check_step(module, query, cache, cu_seq_lens_q=cu_seq_lens_q, cu_seq_lens_k=cu_seq_lens_k,
                 write_index=write_index)       # before anything is written to the cache
     layer = module.layer_idx
@@ -330,6 +338,10 @@ def _check_step(module, query: torch.Tensor, cache, **metadata) -> None:
     for name, value in metadata.items():
         if value is None:
             raise ValueError(f"{NAME} needs continuous batching's {name}; got None")
+    missing = [name for name in CACHE_ATTRIBUTES if not hasattr(cache, name)]
+    if missing:
+        raise TypeError(f"{NAME} takes continuous batching's paged cache; the cache given "
+                        f"({type(cache).__name__}) has no {', '.join(missing)}")
     if query.dim() != 4 or query.shape[0] != 1:
         raise ValueError(f"{NAME} takes query [1, num_heads, tokens, head_dim], got shape "
                          f"{list(query.shape)}")
