@@ -166,8 +166,8 @@ def test_functional_calibrate_then_evaluate(tmp_path, capsys):
     for argv, message in (
             (["--policy", str(policy_path), "--seeds", str(policy["fit"]["seeds"][0])],
              f"seeds [{policy['fit']['seeds'][0]}] were the policy's calibration seeds"),
-            (["--policy", str(moved)], "the policy was fitted at (Hq, Hkv, head_dim) = "
-                                      "(32, 8, 128) and plans nothing at the evaluated (8, 2, 64)")):
+            (["--policy", str(moved)], "the policy was fitted at (Hq, Hkv, head_dim) = (32, 8, "
+                                      "128) and plans nothing at the evaluated (8, 2, 64)")):
         assert main(["evaluate", *argv, "--out", str(tmp_path / "refused")]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "refused").exists()
     assert main(["evaluate", "--policy", str(policy_path), "--out", str(tmp_path),

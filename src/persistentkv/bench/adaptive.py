@@ -83,10 +83,10 @@ def read_measurements(paths: list[Path]) -> list[dict]:
     return files
 
 
-def measured_from_results(paths: list[Path]) -> list[Measured]:
-    """Measured steps read back from `persistentkv bench` JSON files (to refit without a GPU)."""
+def measured_from_results(paths: list[Path], files: list[dict]) -> list[Measured]:
+    """Measured steps of results files (read_measurements(paths)), to refit without a GPU."""
     out = []
-    for path, data in zip(paths, read_measurements(paths)):
+    for path, data in zip(paths, files):
         cases: dict[str, Measured] = {}
         for s in data["steps"]:
             m = cases.setdefault(s["case"], Measured(name=f"{path}:{s['case']}",
@@ -118,8 +118,9 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     if from_results is not None and not from_results:
         raise ValueError("from_results names no file")
     if from_results:
-        measured = measured_from_results(from_results)
-        envs = [f["environment"] for f in read_measurements(from_results)]
+        files = read_measurements(from_results)
+        measured = measured_from_results(from_results, files)
+        envs = [f["environment"] for f in files]
         env = envs[0]
         gpu = env["device"]
         info = {"from_results": [str(p) for p in from_results]}
