@@ -78,6 +78,23 @@ def test_fp8_every_schedule(granularity, backend):
     assert vs_fp16 < 0.1     # e4m3 keeps 3 mantissa bits: a few 1e-2 against the fp16 original
 
 
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3])
+def test_per_token_fp8_small_values_of_v(magnitude, monkeypatch):
+    """A per-token V of amax about 1e-3 has scales near 2e-6: the weights times them fell under
+    fp16's normal range where the kernel casts them for the product (1.3e-2 relative error).
+    On the interpreter the kernel computes in fp32 (upcast), so the GPU's fp16 branch is run by
+    turning the upcast off."""
+    if not ON_GPU:
+        from persistentkv.kernels import decode
+        compiled = decode.decode_constexprs
+        monkeypatch.setattr(decode, "decode_constexprs",
+                            lambda **kw: compiled(**{**kw, "upcast": False}))
+    case = make_case(seq_lens=[200, 64], **HEADS, layout="HND", seed=4)
+    case.kv_cache[:, 1] *= magnitude
+    err, _ = _check(case, "token", backend="split", split_pages=4)
+    assert err <= TOLERANCE[torch.float16]
+
+
 @pytest.mark.parametrize("config", [None, KernelConfig(block_n=32, fp8_block_n=16, num_stages=2)])
 def test_fp8_tiles(config):
     """An fp8 cache reads config.fp8_block_n tokens per tile (the default at head dim 128: 128, the
