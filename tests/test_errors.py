@@ -1,4 +1,6 @@
 """Bad input gets a ValueError or TypeError that names the argument and the value."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -66,10 +68,12 @@ def test_page_index_outside_pool(case):
     indices[1] = 10_000                                  # the same tensors, refilled in place
     wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
                  check_page_table=True)
-    with pytest.raises(ValueError, match="page index 10000 .* outside the pool"):
+    with pytest.raises(ValueError, match=re.escape("kv_indices[1] (row 0)=10000 is a page index "
+                                                   "outside the pool")):
         wrapper.run(case.q, case.kv_cache)
     indices[1] = -3
-    with pytest.raises(ValueError, match="page index -3"):
+    with pytest.raises(ValueError, match=re.escape("kv_indices[1] (row 0)=-3 is a negative page "
+                                                   "index")):
         wrapper.plan(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, **HEADS,
                      check_page_table=True)
 
@@ -250,11 +254,21 @@ def test_block_table_padding_is_ignored_but_used_entries_are_checked(case):
     padded = block_table.clone()
     padded[1, 2] = 10_000                                          # a used entry
     wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS, check_page_table=True)
-    with pytest.raises(ValueError, match="page index 10000 .* outside the pool"):
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\]=10000 is a page index outside "
+                                         r"the pool"):
         wrapper.run(case.q, case.kv_cache)
     padded[1, 2] = -1
-    with pytest.raises(ValueError, match="page index -1 in the page table is negative"):
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\]=-1 is a negative page index"):
         wrapper.plan(block_table=padded, seq_lens=seq_lens, **HEADS, check_page_table=True)
+    kw = csr_kwargs(case.table)    # the CSR form names the entry and its row
+    indices, start = kw["kv_indices"].clone(), int(kw["kv_indptr"][1])
+    for value, match in ((10_000, "is a page index outside the pool"),
+                         (-5, "is a negative page index")):
+        indices[start + 1] = value
+        with pytest.raises(ValueError, match=re.escape(f"kv_indices[{start + 1}] (row 1)="
+                                                       f"{value} {match}")):
+            wrapper.plan(**{**kw, "kv_indices": indices}, **HEADS, check_page_table=True)
+            wrapper.run(case.q, case.kv_cache)
 
 
 def test_non_contiguous_page_table_tensors(case):

@@ -272,8 +272,8 @@ def check_run_inputs(plan, q, kv_cache, *, kv_layout: str, sinks, tensor_scales:
                          f"head_dim={dim}; the plan has {plan.num_kv_heads}, {plan.page_size}, "
                          f"{plan.head_dim}")
     if plan.max_page_index >= num_pages:
-        raise ValueError(f"page index {plan.max_page_index} in the page table is outside the "
-                         f"pool of {num_pages} pages")
+        raise ValueError(f"{plan.max_page_at}={plan.max_page_index} is a page index outside "
+                         f"the pool of {num_pages} pages")
     if sinks is not None:
         check_sinks(sinks, num_qo_heads=plan.num_qo_heads, device=plan.indices.device)
     return k, v

@@ -72,7 +72,8 @@ def check_block_shapes(block_table, seq_lens) -> int:
 class PageTableArgs:
     """A step's page table as the planner takes it. leading: (indptr, last, lens) on the device
     (the block form passes seq_lens for all three); pages: page entries the table holds (kv_indices' length, or rows x width);
-    max_page: the largest used page index when the values were checked, else -1."""
+    max_page: the largest used page index when the values were checked, else -1; max_page_at:
+    where it is, e.g. 'kv_indices[7] (row 1)' or 'block_table[1, 2]'."""
 
     csr: bool
     indices: torch.Tensor
@@ -84,6 +85,7 @@ class PageTableArgs:
     row_stride: int
     width: int
     max_page: int
+    max_page_at: str = ""
 
     @property
     def device(self) -> torch.device:
@@ -101,7 +103,7 @@ def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, b
         rows = check_csr_shapes(*csr)
         indices = _kernel_side("kv_indices", kv_indices)
         check_metadata_device(indices.device, kv_indptr=kv_indptr, kv_last_page_len=kv_last_page_len)
-        max_page = _checked_csr(*csr, page_size) if check_values else -1
+        max_page, max_page_at = _checked_csr(*csr, page_size) if check_values else (-1, "")
         indptr, last = (_on_device(t, indices.device) for t in (kv_indptr, kv_last_page_len))
         leading, pages, max_row_pages = (indptr, last, last), indices.shape[0], None
         row_stride = width = 0
@@ -109,7 +111,8 @@ def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, b
         rows = check_block_shapes(*block)
         indices = _kernel_side("block_table", block_table)
         check_metadata_device(indices.device, seq_lens=seq_lens)
-        max_page = _checked_block(*block, page_size) if check_values else -1
+        max_page, max_page_at = (_checked_block(*block, page_size) if check_values
+                                 else (-1, ""))
         lens = _on_device(seq_lens, indices.device)
         leading, width = (lens, lens, lens), block_table.shape[1]
         pages, max_row_pages, row_stride = rows * width, width, block_table.stride(0)
@@ -118,7 +121,8 @@ def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, b
                          "block_table and seq_lens, not a mix")
     return PageTableArgs(csr=indices is kv_indices, indices=indices, leading=leading, rows=rows,
                          pages=pages, max_row_pages=max_row_pages, num_indices=indices.numel(),
-                         row_stride=row_stride, width=width, max_page=max_page)
+                         row_stride=row_stride, width=width, max_page=max_page,
+                         max_page_at=max_page_at)
 
 
 def _kernel_side(name: str, indices: torch.Tensor) -> torch.Tensor:
@@ -136,18 +140,23 @@ def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def _used_max(used: torch.Tensor) -> int:
-    """The largest of the used page indices (-1 for none); a negative one is a ValueError."""
-    if not used.numel():
-        return -1
-    lo, hi = (int(x) for x in torch.aminmax(used))
-    if lo < 0:
-        raise ValueError(f"page index {lo} in the page table is negative")
-    return hi
+def _used_max(values: torch.Tensor, used: torch.Tensor, where) -> tuple[int, str]:
+    """(the largest used page index, where it is) of `values` at the entries `used` (a mask of
+    values' shape); (-1, "") for none; a negative one is a ValueError naming where it is.
+    where(flat index) -> its name, e.g. 'kv_indices[7] (row 1)'."""
+    if not bool(used.any()):
+        return -1, ""
+    wide = values.to(torch.int64)
+    lo_at = int(torch.argmin(torch.where(used, wide, 2**62)))
+    hi_at = int(torch.argmax(torch.where(used, wide, -2**62)))
+    flat = wide.reshape(-1)
+    if int(flat[lo_at]) < 0:
+        raise ValueError(f"{where(lo_at)}={int(flat[lo_at])} is a negative page index")
+    return int(flat[hi_at]), where(hi_at)
 
 
-def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> int:
-    """The CSR table's values checked; returns the largest used page index."""
+def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> tuple[int, str]:
+    """The CSR table's values checked; returns the largest used page index and where it is."""
     indptr, last = host_values(kv_indptr, kv_last_page_len)
     pages = check_offsets("kv_indptr", indptr)
     if indptr[-1] > kv_indices.shape[0]:
@@ -157,12 +166,14 @@ def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> int
     if len(bad):
         r = int(bad[0])
         raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
-    return _used_max(kv_indices[: int(indptr[-1])])
+    used = torch.arange(kv_indices.shape[0], device=kv_indices.device) < int(indptr[-1])
+    return _used_max(kv_indices, used, lambda j: f"kv_indices[{j}] (row "
+                                                 f"{int(np.searchsorted(indptr, j, 'right')) - 1})")
 
 
-def _checked_block(block_table, seq_lens, page_size: int) -> int:
-    """The block table's values checked; returns the largest used page index (entries past a
-    row's pages are padding, not read)."""
+def _checked_block(block_table, seq_lens, page_size: int) -> tuple[int, str]:
+    """The block table's values checked; returns the largest used page index and where it is
+    (entries past a row's pages are padding, not read)."""
     (lens,) = host_values(seq_lens)
     if (lens < 0).any():
         r = int(np.flatnonzero(lens < 0)[0])
@@ -173,9 +184,10 @@ def _checked_block(block_table, seq_lens, page_size: int) -> int:
         r = int(over[0])
         raise ValueError(f"seq_lens[{r}]={lens[r]} needs {pages[r]} pages of {page_size} tokens, "
                          f"but block_table has only {block_table.shape[1]} per row")
-    dense = block_table[:, : int(pages.max()) if len(pages) else 0]
-    cols = torch.arange(dense.shape[1], device=dense.device)[None, :]
-    return _used_max(dense[cols < torch.from_numpy(pages).to(dense.device)[:, None]])
+    cols = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+    used = cols < torch.from_numpy(pages).to(block_table.device)[:, None]
+    width = block_table.shape[1]
+    return _used_max(block_table, used, lambda j: f"block_table[{j // width}, {j % width}]")
 
 
 def cache_views(kv_cache, layout: str):

@@ -146,6 +146,7 @@ class DecodePlan:
     workspace: Workspace
     programs: int                # persistent programs of run()'s launch
     max_page_index: int          # largest used page index, -1 when not read (trusted)
+    max_page_at: str             # where it is in the table given ("" when not read)
     guard: PageGuard | None      # trusted tables: run() reads the guard's copy of `indices`
     queries: QueryLayout | None  # several query tokens per row (qo_indptr), else one
     total_queries: int | None    # q.shape[0] at run(): batch_size, qo_indptr[B], None: any
@@ -288,7 +289,8 @@ class Planner:
             page_size=options.page_size, sm_scale=options.sm_scale, config=config,
             window_left=options.window_left, logits_soft_cap=options.logits_soft_cap,
             kv_data_type=options.kv_data_type, choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
-            workspace=ws, programs=programs, max_page_index=table.max_page, guard=guard,
+            workspace=ws, programs=programs, max_page_index=table.max_page,
+            max_page_at=table.max_page_at, guard=guard,
             queries=queries, total_queries=table.rows if queries is None else queries.total,
             launch_key=(id(ws), ws.generation, options, config.max_tile_rows, programs,
                         table.max_page, q_pad,
