@@ -302,6 +302,7 @@ def _planned():
     (dict(k_scale=1.0), TypeError, r"v_scale must be a float, got None"),
     (dict(k_scale=-1.0, v_scale=1.0), ValueError, r"k_scale must be a positive .*got -1.0"),
     (dict(k_scale=1.0, v_scale=math.inf), ValueError, r"v_scale must be a positive .*got inf"),
+    (dict(k_scale=3e38, v_scale=1.0), ValueError, r"k_scale must be at most 2\^64 .*got 3e\+38"),
     ("both", ValueError, r"give k_scale/v_scale \(per tensor\) or kv_scales \(per token\), not both"),
     ("shape", ValueError, r"kv_scales must be a contiguous \[num_pages, 2, num_kv_heads, "
                           r"page_size\] = \[\d+, 2, 2, 16\] tensor, got shape"),

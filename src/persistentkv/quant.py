@@ -33,9 +33,17 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
     return (magnitude.amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
 
 
+MAX_SCALE = 2.0**64   # past it, q . k of e4m3 values times the scale can overflow fp32's scores
+
+
 def check_scale(name: str, value: object) -> float:
-    """A per-tensor scale: a positive real number inside fp32's normal range (the kernel's)."""
-    return check_fp32_scale(name, value)
+    """A per-tensor scale: a positive real number inside fp32's normal range (the kernel's), at
+    most MAX_SCALE."""
+    scale = check_fp32_scale(name, value)
+    if scale > MAX_SCALE:
+        raise ValueError(f"{name} must be at most 2^64 (the scores times a larger scale can "
+                         f"overflow fp32), got {value!r}")
+    return scale
 
 
 def check_cache_scales(*, cache_dtype: torch.dtype, planned: torch.dtype | None,
