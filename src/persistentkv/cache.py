@@ -250,9 +250,10 @@ class PagedKVCache:
         if self.layout != "HND_VT" or not pages:
             return
         p = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        shape = (len(pages), *self.pools[0].shape[2:])   # every layer's pool has one shape
+        zeros = torch.zeros(shape, device=self.device).to(self.pools[0].dtype)   # as _write's rows
         for layer, pool in enumerate(self.pools):
-            zeros = torch.zeros((len(pages), *pool.shape[2:]), device=self.device)
-            pool[p, 1] = zeros.to(pool.dtype)   # converted, as _write's rows are (fp8 too)
+            pool[p, 1] = zeros
             if self.kv_scales is not None:
                 self.kv_scales[layer][p, 1] = 1.0
 

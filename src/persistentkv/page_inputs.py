@@ -140,19 +140,22 @@ def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def _used_max(values: torch.Tensor, used: torch.Tensor, where) -> tuple[int, str]:
-    """(the largest used page index, where it is) of `values` at the entries `used` (a mask of
-    values' shape); (-1, "") for none; a negative one is a ValueError naming where it is.
-    where(flat index) -> its name, e.g. 'kv_indices[7] (row 1)'."""
-    if not bool(used.any()):
+def _used_max(values: torch.Tensor, where, used: torch.Tensor | None = None) -> tuple[int, str]:
+    """(the largest used page index, where it is) of `values` (all of them, or those where the
+    mask `used` is set); (-1, "") for none; a negative one is a ValueError naming where it is.
+    where(flat index) -> its name, e.g. 'kv_indices[7] (row 1)'. One read back to the host."""
+    if not values.numel() or (used is not None and not bool(used.any())):
         return -1, ""
-    wide = values.to(torch.int64)
-    lo_at = int(torch.argmin(torch.where(used, wide, 2**62)))
-    hi_at = int(torch.argmax(torch.where(used, wide, -2**62)))
-    flat = wide.reshape(-1)
-    if int(flat[lo_at]) < 0:
-        raise ValueError(f"{where(lo_at)}={int(flat[lo_at])} is a negative page index")
-    return int(flat[hi_at]), where(hi_at)
+    wide = values.reshape(-1).to(torch.int64)
+    low, high = wide, wide
+    if used is not None:   # entries not used can be neither extreme
+        low = torch.where(used.reshape(-1), wide, 2**62)
+        high = torch.where(used.reshape(-1), wide, -2**62)
+    at = torch.stack([low.argmin(), high.argmax()])
+    (lo_at, hi_at), (lo, hi) = torch.stack([at, wide[at]]).tolist()
+    if lo < 0:
+        raise ValueError(f"{where(lo_at)}={lo} is a negative page index")
+    return hi, where(hi_at)
 
 
 def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> tuple[int, str]:
@@ -166,9 +169,8 @@ def _checked_csr(kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> tup
     if len(bad):
         r = int(bad[0])
         raise ValueError(f"kv_last_page_len[{r}]={last[r]} must be in [1, page_size={page_size}]")
-    used = torch.arange(kv_indices.shape[0], device=kv_indices.device) < int(indptr[-1])
-    return _used_max(kv_indices, used, lambda j: f"kv_indices[{j}] (row "
-                                                 f"{int(np.searchsorted(indptr, j, 'right')) - 1})")
+    return _used_max(kv_indices[: int(indptr[-1])], lambda j: f"kv_indices[{j}] (row "
+                     f"{int(np.searchsorted(indptr, j, 'right')) - 1})")
 
 
 def _checked_block(block_table, seq_lens, page_size: int) -> tuple[int, str]:
@@ -187,7 +189,7 @@ def _checked_block(block_table, seq_lens, page_size: int) -> tuple[int, str]:
     cols = torch.arange(block_table.shape[1], device=block_table.device)[None, :]
     used = cols < torch.from_numpy(pages).to(block_table.device)[:, None]
     width = block_table.shape[1]
-    return _used_max(block_table, used, lambda j: f"block_table[{j // width}, {j % width}]")
+    return _used_max(block_table, lambda j: f"block_table[{j // width}, {j % width}]", used)
 
 
 def cache_views(kv_cache, layout: str):

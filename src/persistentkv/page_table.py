@@ -41,13 +41,12 @@ class PageTable:
             if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
                 raise TypeError(f"{name} must be a 1-D integer array, got {a.dtype} of shape "
                                 f"{list(a.shape)}")
-        if lens.size and lens.min() < 0:
-            raise ValueError(f"seq_lens must be >= 0, got {int(lens.min())}")
-        for name, a in [("seq_lens", lens)] + [(f"row_pages[{r}]", p) for r, p in enumerate(rows)]:
             if a.size and (a.min() < INT32_MIN or a.max() > INT32_MAX):   # exported as int32
                 bad = a[(a < INT32_MIN) | (a > INT32_MAX)][0]
                 raise ValueError(f"{name} must fit in int32 (the exported tables' type), got "
                                  f"{int(bad)}")
+        if lens.size and lens.min() < 0:
+            raise ValueError(f"seq_lens must be >= 0, got {int(lens.min())}")
         for r, (pages, n) in enumerate(zip(rows, lens)):
             if len(pages) != -(-int(n) // page_size):
                 raise ValueError(f"row {r} has {len(pages)} pages for seq_lens[{r}]={int(n)} "
