@@ -111,15 +111,9 @@ def split_task_target(*, num_kv_heads: int, sm_count: int, config: KernelConfig)
     return max(1, int(config.waves * sm_count / num_kv_heads))
 
 
-def whole_row_min_rows(*, num_kv_heads: int, sm_count: int) -> int:
-    """Rows from which one task per (row, KV head) alone fills the SMs."""
-    return -(-sm_count // num_kv_heads)
-
-
-def whole_row_fill_rows(*, num_kv_heads: int, sm_count: int, config: KernelConfig) -> int:
-    """Rows from which one task per (row, KV head) fills config.whole_row_fill of the SMs (at
-    1.0, whole_row_min_rows)."""
-    return max(1, math.ceil(round(config.whole_row_fill * sm_count, 6) / num_kv_heads))
+def whole_row_rows(*, num_kv_heads: int, sm_count: int, fill: float = 1.0) -> int:
+    """Rows from which one task per (row, KV head) fills `fill` of the SMs (at 1.0, all)."""
+    return max(1, math.ceil(round(fill * sm_count, 6) / num_kv_heads))
 
 
 def chunks_per_head(*, programs: int, num_kv_heads: int) -> int:
