@@ -386,6 +386,9 @@ def test_page_table_takes_lists_and_checks_pad_to():
 
 
 def test_split_pages_must_fit_int32_tokens(case):
-    with pytest.raises(ValueError, match=r"split_pages x page_size must be under 2\^31 tokens, got "
-                                         r"split_pages=1099511627776 at page_size="):
-        planned(case, backend="split", split_pages=2**40)
+    """At most schedule.MAX_SPLIT_TOKENS (a split near 2^31 overflowed the plan kernel into no
+    tasks)."""
+    for bad in (2**40, 2**30 // HEADS["page_size"] + 1):
+        with pytest.raises(ValueError, match=r"split_pages x page_size must be at most 2\^30 "
+                                             rf"tokens, got split_pages={bad} at page_size="):
+            planned(case, backend="split", split_pages=bad)

@@ -252,6 +252,31 @@ def test_a_split_fitted_in_pages_keeps_its_tokens_at_another_page_size():
             Policy(gpu="cpu", page_size=bad)
 
 
+def test_a_split_past_int32_tokens_keeps_rows_whole():
+    """A fitted split past schedule.MAX_SPLIT_TOKENS at a plan's page size (here 2^28 pages of
+    no stated size, or 2^30 of one token, planned at 16) is cut to it, host and device alike:
+    rows whole, the output right (the kernel's int32 overflowed: a zero split, no tasks)."""
+    lens = [100, 37]
+    case = make_case(seq_lens=lens, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    key = StepFeatures.of(lens, num_kv_heads=2, head_dim=64, elem_size=2).bin()
+    most = 2**30 // 16
+    for fitted_pages, fitted_size in ((2**28, None), (2**30, 1)):
+        policy = Policy(gpu="cpu", table={key: Choice("split", fitted_pages)},
+                        page_size=fitted_size)
+        assert policy.in_pages(Choice("split", fitted_pages), page_size=16) == \
+            Choice("split", most)
+        wrapper = DecodeWrapper("NHD", policy=policy)
+        plan = wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2,
+                            head_dim=64, page_size=16, backend="auto")
+        info = plan.info()
+        assert info["choice"] == Choice("split", most) and info["split_tokens"] == most * 16
+        assert info["num_tasks"] == len(lens)                  # a task a row
+        out = torch.full_like(case.q, float("nan"))
+        wrapper.run(case.q, case.kv_cache, out=out)
+        ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+        assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
 def test_shipped_policies_name_their_shape_and_page_size():
     """Every shipped file loads, applies at the shape its name gives, and counts its splits in
     16-token pages (the calibration's default)."""

@@ -369,3 +369,28 @@ def test_a_block_table_of_no_columns_runs_its_empty_rows(graph):
     out = torch.full_like(case.q, 7.0)
     wrapper.run(case.q, case.kv_cache, out=out)
     assert bool((out == 7.0).all())
+
+
+def test_a_replaced_workspace_gets_its_own_launches(monkeypatch):
+    """A planner's workspace is replaced when it plans on another device; launches bound to the
+    old one are keyed by a serial, not id(), which a new workspace can reuse once the old is freed
+    (the stale launch filled the old one's tasks: the new one's info read none). Here every workspace gets the
+    same id(), the worst case."""
+    from persistentkv import planner as planner_module
+
+    case = make_case(seq_lens=[70, 9, 33], num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16)
+    monkeypatch.setattr(planner_module, "id", lambda obj: 1, raising=False)
+    wrapper = DecodeWrapper("NHD")
+    ref, _ = reference_decode(case.q, case.kv_cache, layout="NHD", **csr_kwargs(case.table))
+    serials = set()
+    for _ in range(3):
+        plan = wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2,
+                            head_dim=64, page_size=16)
+        serials.add(plan.workspace.serial)
+        assert plan.info()["num_tasks"] == 3
+        out = torch.full_like(case.q, float("nan"))
+        wrapper.run(case.q, case.kv_cache, out=out)
+        assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+        plan.workspace.device = torch.device("meta")   # as if its last plan ran on another GPU
+    assert len(serials) == 3

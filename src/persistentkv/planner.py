@@ -9,6 +9,7 @@ last one only relaunches the planner.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice
                        task_bound, whole_row_rows)
 from .tuning import KernelConfig
 
+_WORKSPACE_SERIALS = itertools.count()
 CAPACITY_QUANTUM = 256   # task buffers grow in steps of this many tasks
 
 
@@ -61,7 +63,8 @@ class Workspace:
     counters int32 [slots * head items] (KV heads x M-blocks x value blocks), by partial slot
     and head item (zero between launches), and the
     page guard's copy of a trusted page table, int32 [entries] (guard.py), and the rows' lengths
-    int32 [rows] (the planner's). `generation` counts the reallocations."""
+    int32 [rows] (the planner's). `generation` counts the reallocations; `serial` tells
+    workspaces apart (an id() is reused once a workspace is freed)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -73,6 +76,7 @@ class Workspace:
         self.safe_pages = torch.zeros(0, dtype=torch.int32, device=device)
         self.row_lens = torch.zeros(0, dtype=torch.int32, device=device)
         self.generation = 0
+        self.serial = next(_WORKSPACE_SERIALS)
 
     @property
     def capacity(self) -> int:
@@ -269,7 +273,7 @@ class Planner:
         block_rows = next_power_of_2(max(table.rows, 1))
         leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
         align = tuple(t.data_ptr() % 16 for t in table.leading)
-        bind_key = (options, config.max_tile_rows, device, table.csr, block_rows, align, id(ws),
+        bind_key = (options, config.max_tile_rows, device, table.csr, block_rows, align, ws.serial,
                     ws.generation, q_pad)
         launch = self._bound.get(bind_key)
         if launch is None:
@@ -288,11 +292,12 @@ class Planner:
             num_kv_heads=options.num_kv_heads, head_dim=options.head_dim,
             page_size=options.page_size, sm_scale=options.sm_scale, config=config,
             window_left=options.window_left, logits_soft_cap=options.logits_soft_cap,
-            kv_data_type=options.kv_data_type, choice=options.choice, indices=indices, indices_ptr=indices.data_ptr(),
+            kv_data_type=options.kv_data_type, choice=options.choice, indices=indices,
+            indices_ptr=indices.data_ptr(),
             workspace=ws, programs=programs, max_page_index=table.max_page,
             max_page_at=table.max_page_at, guard=guard,
             queries=queries, total_queries=table.rows if queries is None else queries.total,
-            launch_key=(id(ws), ws.generation, options, config.max_tile_rows, programs,
+            launch_key=(ws.serial, ws.generation, options, config.max_tile_rows, programs,
                         table.max_page, q_pad,
                         None if queries is None else queries.indptr.data_ptr() % 16))
         call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .schedule import Choice
+from .schedule import MAX_SPLIT_TOKENS, Choice
 
 ROW_EDGES = (1, 4, 8, 32)                 # bins: 1 | 2-4 | 5-8 | 9-32 | >32 active rows
 MAX_LEN_EDGES = (2048, 8192, 32768)       # bins: <=2K | <=8K | <=32K | >32K tokens
@@ -114,7 +114,7 @@ class Policy:
                 raise ValueError(f"Policy.shape must be None or (num_qo_heads, num_kv_heads, "
                                  f"head_dim), three positive ints, got {self.shape!r}")
             self.shape = tuple(self.shape)
-        most_pages = 2**31 // (self.page_size or 1)     # the kernels' int32 token positions
+        most_pages = MAX_SPLIT_TOKENS // (self.page_size or 1)
         for key, choice in self.table.items():
             if key not in BINS:
                 raise ValueError(f"Policy.table key {key!r} is not a bin: keys are 'r<R>-l<L>-s<S>' "
@@ -123,9 +123,9 @@ class Policy:
             if not isinstance(choice, Choice):
                 raise TypeError(f"Policy.table[{key!r}] must be a schedule.Choice, got "
                                 f"{choice!r}")
-            if choice.split_pages is not None and choice.split_pages >= most_pages:
+            if choice.split_pages is not None and choice.split_pages > most_pages:
                 raise ValueError(f"Policy.table[{key!r}] splits at {choice.split_pages} pages: "
-                                 f"at most {most_pages - 1}")
+                                 f"at most {most_pages} (schedule.MAX_SPLIT_TOKENS)")
 
     def applies_to(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return self.shape is None or tuple(self.shape) == (num_qo_heads, num_kv_heads, head_dim)
@@ -134,11 +134,14 @@ class Policy:
         """`choice` for a plan of `page_size`: a split of N pages of the policy's page size is
         the split of the same tokens, ceil(N * self.page_size / page_size) pages (v15: the 32/8
         policy's 16-page split of a B1 8K step, 256 tokens, ran 81.8 us as 16 one-token pages
-        against 17.4 us at 512 tokens)."""
-        if (choice.split_pages is None or self.page_size is None or page_size is None
-                or page_size == self.page_size):
+        against 17.4 us at 512 tokens). A split past schedule.MAX_SPLIT_TOKENS is cut to it: it
+        keeps every row whole either way."""
+        if choice.split_pages is None or page_size is None:
             return choice
-        return Choice(choice.schedule, -(-choice.split_pages * self.page_size // page_size))
+        pages = (choice.split_pages if self.page_size is None or page_size == self.page_size
+                 else -(-choice.split_pages * self.page_size // page_size))
+        pages = min(pages, MAX_SPLIT_TOKENS // page_size)
+        return choice if pages == choice.split_pages else Choice(choice.schedule, pages)
 
     def decide(self, features: StepFeatures, *, page_size: int | None = None) -> Choice:
         """The choice for a step (of a plan of `page_size`): its bin's, else the fallback (the

@@ -55,6 +55,7 @@ ONE_ROUND_SLACK = 1.25   # one_round takes a split up to this many times the bal
 ONE_ROUND_STEPS = 8      # ... found in at most this many steps
 MIN_SPLIT_TILE_ROWS = 32  # tile rows up to which a split's floor is config.min_split_tokens
 DETERMINISTIC_SPLIT_TOKENS = 512  # split size of deterministic (batch-invariant) plans
+MAX_SPLIT_TOKENS = 2**30  # a split's size plus a row's length stays in the kernels' int32
 GROUPED_CODE, BALANCED_CODE = -1, -2   # Choice.code of the schedules without a split size
 
 

@@ -24,7 +24,7 @@ from .policy import Policy
 from .quant import FP8
 from .queries import MAX_QUERIES_PER_ROW, graph_query_layout, host_seq_lens, query_layout
 from .runtime import check_interpreter_numpy, next_power_of_2
-from .schedule import DETERMINISTIC_SPLIT_TOKENS, SCHEDULES, Choice
+from .schedule import DETERMINISTIC_SPLIT_TOKENS, MAX_SPLIT_TOKENS, SCHEDULES, Choice
 from .tuning import KernelConfig, default_config
 
 KV_DATA_TYPES = (torch.float16, torch.bfloat16, FP8)
@@ -271,8 +271,8 @@ def _plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, backend, spli
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if split_pages is not None:
         split_pages = check_positive_int("split_pages", split_pages)
-        if split_pages * page_size >= 2**31:   # the kernels' int32 token positions
-            raise ValueError(f"split_pages x page_size must be under 2^31 tokens, got "
+        if split_pages * page_size > MAX_SPLIT_TOKENS:   # schedule.MAX_SPLIT_TOKENS
+            raise ValueError(f"split_pages x page_size must be at most 2^30 tokens, got "
                              f"split_pages={split_pages} at page_size={page_size}")
     for name, flag in (("deterministic", deterministic), ("check_page_table", check_page_table)):
         if not isinstance(flag, bool):
