@@ -374,8 +374,8 @@ def test_a_block_table_of_no_columns_runs_its_empty_rows(graph):
 def test_a_replaced_workspace_gets_its_own_launches(monkeypatch):
     """A planner's workspace is replaced when it plans on another device; launches bound to the
     old one are keyed by a serial, not id(), which a new workspace can reuse once the old is freed
-    (the stale launch filled the old one's tasks: the new one's info read none). Here every workspace gets the
-    same id(), the worst case."""
+    (the stale launch filled the old one's tasks: the new one's info read none). Here every
+    workspace gets the same id(), the worst case."""
     from persistentkv import planner as planner_module
 
     case = make_case(seq_lens=[70, 9, 33], num_qo_heads=8, num_kv_heads=2, head_dim=64,
