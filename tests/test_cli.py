@@ -55,6 +55,9 @@ from persistentkv.cli import main
     (["demo", "--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
     (["bench", "--grid", "--q-len", "\u00b2"], "q_len must be 1 to 16 or 'mix', got '\u00b2'"),
     (["bench", "--grid", "--trace-file", "t.csv"], "--trace-file t.csv replays its own trace"),
+    (["bench", "--grid", "--traces", "mixed"], "--traces mixed replays traces; --grid runs static"),
+    (["bench", "--preset", "gpt-oss", "--shape", "llama3-8b,gpt-oss"],
+     "--preset names gpt-oss more than once"),
     (["explain", "--seq-lens", "3000000000"], "seq_lens must be at most 4194304 tokens a row"),
 ])
 def test_bad_arguments(argv, message, capsys):
@@ -136,12 +139,15 @@ def test_parser_does_not_import_triton():
 
 
 def test_preset_lists(capsys, tmp_path):
-    """--preset (or --shape, the same option) takes a comma list (bench and evaluate run each, one
-    results file per preset); an unknown name is an argparse error naming it."""
+    """--preset (or --shape, the same option) takes a comma list, or is repeated (bench and
+    evaluate run each, one results file per preset); an unknown name is an argparse error naming
+    it."""
     from persistentkv.cli import build_parser, model_shapes
 
     args = build_parser().parse_args(["bench", "--preset", "llama3-70b-tp8,gemma2-9b"])
     assert build_parser().parse_args(["bench", "--shape", "llama3-70b-tp8,gemma2-9b"]) == args
+    assert build_parser().parse_args(["bench", "--preset", "llama3-70b-tp8", "--shape",
+                                      " gemma2-9b"]) == args
     assert [(p, s.num_kv_heads, s.head_dim) for p, s in model_shapes(args)] == [
         ("llama3-70b-tp8", 1, 128), ("gemma2-9b", 8, 256)]
     with pytest.raises(SystemExit):

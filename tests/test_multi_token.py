@@ -183,6 +183,30 @@ def test_bad_qo_indptr(indptr, match):
                                   qo_indptr=torch.tensor(indptr, dtype=torch.int32))
 
 
+def test_a_tile_over_128_rows_is_refused_as_the_tile_is_sized():
+    """Query tokens a row (the tile's: the wrapper's max_queries_per_row, else the batch's most)
+    x group at most 128 rows, whatever the batch holds: at group 64 a tile of 4 was let through
+    where every row had one query, and in graph mode."""
+    heads = dict(num_qo_heads=64, num_kv_heads=1, head_dim=16, page_size=16)
+    case = make_case(seq_lens=[4, 30], **heads)
+    one_each = torch.tensor([0, 1, 2], dtype=torch.int32)
+    match = (r"max_queries_per_row=4 takes a tile of 4 query tokens x group 64 = 256 rows: at "
+             r"most 128 are supported")
+    with pytest.raises(ValueError, match=match):
+        DecodeWrapper("NHD", max_queries_per_row=4).plan(**csr_kwargs(case.table), **heads,
+                                                         qo_indptr=one_each)
+    with pytest.raises(ValueError, match=r"the batch's most query tokens a row, 3, takes a tile "
+                                         r"of 4 query tokens x group 64"):
+        DecodeWrapper("NHD").plan(**csr_kwargs(case.table), **heads,
+                                  qo_indptr=torch.tensor([0, 3, 4], dtype=torch.int32))
+    graph = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=2, max_num_pages=8,
+                          max_queries_per_row=4)
+    with pytest.raises(ValueError, match=match):
+        graph.plan(**csr_kwargs(case.table), **heads, qo_indptr=one_each.to(DEVICE))
+    DecodeWrapper("NHD", max_queries_per_row=2).plan(**csr_kwargs(case.table), **heads,
+                                                     qo_indptr=one_each)   # 128 rows: planned
+
+
 def test_qo_indptr_dtype_and_q_total():
     case = make_case(seq_lens=[20, 30], **HEADS)
     wrapper = DecodeWrapper("NHD")

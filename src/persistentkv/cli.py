@@ -39,6 +39,9 @@ def model_shapes(args: argparse.Namespace) -> list:
 
     presets = args.preset or [None]
     if args.preset:
+        twice = sorted({p for p in args.preset if args.preset.count(p) > 1})
+        if twice:
+            raise ValueError(f"--preset names {', '.join(twice)} more than once")
         given = [f"--{k.replace('_', '-')}" for k in ("num_qo_heads", "num_kv_heads", "head_dim")
                  if getattr(args, k) is not None]
         if given:
@@ -71,7 +74,7 @@ def _tag_for(args: argparse.Namespace, preset: str | None, shapes: list) -> str 
 def _preset_list(text: str) -> list[str]:
     from .bench.runner import MODEL_PRESETS   # (no triton)
 
-    names = [n for n in text.split(",") if n]
+    names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODEL_PRESETS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown preset(s) {unknown or [text]}; choose from "
@@ -83,8 +86,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench.runner import MODEL_PRESETS   # (no triton)
 
     parser.add_argument("--preset", "--shape", dest="preset", type=_preset_list,
-                        metavar="NAME[,NAME...]",
-                        help="model shapes (Hq/Hkv/head_dim; bench and evaluate take several): "
+                        action="extend", metavar="NAME[,NAME...]",
+                        help="model shapes (Hq/Hkv/head_dim; bench and evaluate take several, "
+                             "in one list or repeated): "
                              + ", ".join(f"{k} {'/'.join(map(str, v))}"
                                          for k, v in MODEL_PRESETS.items()))
     parser.add_argument("--num-qo-heads", type=int, help="default 32")
@@ -109,6 +113,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     shapes = model_shapes(args)
     if args.q_len != "1" and not args.grid:
         raise ValueError(f"--q-len {args.q_len} applies to --grid (static batches), not to traces")
+    if args.grid and args.traces:
+        raise ValueError(f"--traces {args.traces} replays traces; --grid runs static batches: "
+                         f"give one of them")
     if args.trace_file and (args.grid or args.traces):
         raise ValueError(f"--trace-file {args.trace_file} replays its own trace: give it without "
                          f"--grid and --traces")

@@ -54,10 +54,9 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     (indptr,) = host_values(qo_indptr)
     counts = check_offsets("qo_indptr", indptr)
     most = int(counts.max()) if rows else 0
-    if most > MAX_QUERIES_PER_ROW or next_power_of_2(max(most, 1)) * group > MAX_TILE_ROWS:
-        raise ValueError(f"a row has {most} query tokens: at most {MAX_QUERIES_PER_ROW} per row, "
-                         f"and at most {MAX_TILE_ROWS} query tokens x group "
-                         f"(group {group}) are supported")
+    if most > MAX_QUERIES_PER_ROW:
+        raise ValueError(f"a row has {most} query tokens: at most {MAX_QUERIES_PER_ROW} per row "
+                         f"are supported")
     if tile_queries is not None and most > tile_queries:
         raise ValueError(f"a row has {most} query tokens, over the wrapper's "
                          f"max_queries_per_row={tile_queries}")
@@ -76,10 +75,20 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
         tile = 1
     else:
         tile = max(2, next_power_of_2(max(most, 1)))
+    _check_tile(tile, group=group, queries_per_row=(
+        f"max_queries_per_row={tile_queries}" if tile_queries is not None
+        else f"the batch's most query tokens a row, {most},"))
     return QueryLayout(indptr=on_device, total=int(indptr[-1]), max_per_row=tile)
 
 
-def graph_query_layout(qo_indptr: object, *, rows: int, max_queries_per_row: int,
+def _check_tile(tile: int, *, group: int, queries_per_row: str) -> None:
+    """A tile of `tile` query tokens a row x the group's heads holds at most MAX_TILE_ROWS rows."""
+    if tile * group > MAX_TILE_ROWS:
+        raise ValueError(f"{queries_per_row} takes a tile of {tile} query tokens x group "
+                         f"{group} = {tile * group} rows: at most {MAX_TILE_ROWS} are supported")
+
+
+def graph_query_layout(qo_indptr: object, *, rows: int, group: int, max_queries_per_row: int,
                        device: torch.device) -> QueryLayout:
     """Graph mode's qo_indptr: a device tensor refilled in place before each replay, its values
     not read on the host (the kernel clamps each row's count to max_queries_per_row and never
@@ -91,8 +100,9 @@ def graph_query_layout(qo_indptr: object, *, rows: int, max_queries_per_row: int
     if qo_indptr.device != device:
         raise ValueError(f"in graph mode qo_indptr must be on the page table's device {device}, "
                          f"got {qo_indptr.device}")
-    return QueryLayout(indptr=qo_indptr, total=None,
-                       max_per_row=max(2, next_power_of_2(max_queries_per_row)))
+    tile = max(2, next_power_of_2(max_queries_per_row))
+    _check_tile(tile, group=group, queries_per_row=f"max_queries_per_row={max_queries_per_row}")
+    return QueryLayout(indptr=qo_indptr, total=None, max_per_row=tile)
 
 
 def host_seq_lens(*, kv_indptr=None, kv_last_page_len=None, seq_lens=None,

@@ -25,6 +25,8 @@ SMALL_STEP_KV_BYTES_PER_SM = 768 << 10
 # uniform, B8 uniform, B4 L32K, B8 L32K and B32 L8K 0.2-1.2%, B1 L128K the same, and cost B8
 # L8K (splits of 2048) 0.7-1.6%; 2560 keeps B8 L8K on its splits.
 WIDE_HEAD_BALANCED_FROM_TOKENS = 2560
+# KernelConfig.waves at most: the task buffers grow with it (at 1e12 a plan asked for 128 TB)
+MAX_WAVES = 64
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,9 @@ class KernelConfig:
                 continue
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
+        if self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
+            raise ValueError(f"KernelConfig.num_warps must be a power of two up to 32, got "
+                             f"{self.num_warps!r}")
         if self.value_blocks & (self.value_blocks - 1):
             raise ValueError(f"KernelConfig.value_blocks must be a power of two, got "
                              f"{self.value_blocks!r}")
@@ -249,8 +254,10 @@ class KernelConfig:
                                   or not 24 <= value <= 255 or value % 8):
             raise ValueError(f"KernelConfig.max_registers must be None or a multiple of 8 in "
                              f"[24, 255], got {value!r}")
-        if not self.waves > 0:
-            raise ValueError(f"KernelConfig.waves must be > 0, got {self.waves!r}")
+        waves = self.waves
+        if isinstance(waves, bool) or not isinstance(waves, (int, float)) \
+                or not 0 < waves <= MAX_WAVES:
+            raise ValueError(f"KernelConfig.waves must be in (0, {MAX_WAVES}], got {waves!r}")
         fill = self.whole_row_fill
         if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 < fill <= 1:
             raise ValueError(f"KernelConfig.whole_row_fill must be in (0, 1], got "

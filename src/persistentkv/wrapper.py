@@ -213,8 +213,10 @@ class DecodeWrapper:
                 if self.max_queries_per_row == 1:
                     raise ValueError("graph mode takes qo_indptr when the wrapper is built with "
                                      "max_queries_per_row > 1 (its tile is sized then)")
-                queries = graph_query_layout(qo_indptr, rows=table.rows, device=table.device,
-                                             max_queries_per_row=self.max_queries_per_row)
+                queries = graph_query_layout(
+                    qo_indptr, rows=table.rows, device=table.device,
+                    group=options.num_qo_heads // options.num_kv_heads,
+                    max_queries_per_row=self.max_queries_per_row)
             elif qo_indptr is not None:
                 if deterministic and self.max_queries_per_row == 1:
                     raise ValueError("deterministic=True with qo_indptr needs a tile that does "

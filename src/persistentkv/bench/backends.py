@@ -406,9 +406,17 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
 
 
 def _override_suffix(overrides: dict) -> str:
+    """The name's `:<key><value>` suffixes, each value as parsed back (ints whole, floats short
+    where that is exact)."""
     short = {field: key for key, (field, _) in CONFIG_SUFFIXES.items()}
-    return "".join(f":{short[field]}{0 if value is None else value:g}"
+    return "".join(f":{short[field]}{_exact(0 if value is None else value)}"
                    for field, value in overrides.items())
+
+
+def _exact(value: int | float) -> str:
+    if isinstance(value, int) or float(f"{value:g}") != value:
+        return str(value)
+    return f"{value:g}"
 
 
 def _with_overrides(config: KernelConfig | None, overrides: dict, *, head_dim: int,
