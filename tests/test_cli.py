@@ -54,6 +54,7 @@ from persistentkv.cli import main
     (["bench", "--memory-gb", "inf"], "memory budget must be > 0 GB, got inf"),
     (["demo", "--seed", "-1"], "--seed must be in [0, 2^32), got -1"),
     (["bench", "--grid", "--q-len", "\u00b2"], "q_len must be 1 to 16 or 'mix', got '\u00b2'"),
+    (["bench", "--grid", "--q-len", "01"], "q_len must be 1 to 16 or 'mix', got '01'"),
     (["bench", "--grid", "--trace-file", "t.csv"], "--trace-file t.csv replays its own trace"),
     (["bench", "--grid", "--traces", "mixed"], "--traces mixed replays traces; --grid runs static"),
     (["bench", "--preset", "gpt-oss", "--shape", "llama3-8b,gpt-oss"],
@@ -154,7 +155,7 @@ def test_preset_lists(capsys, tmp_path):
         build_parser().parse_args(["bench", "--preset", "llama3-8b,llama5"])
     assert "unknown preset(s) ['llama5']" in capsys.readouterr().err
     assert main(["bench", "--grid", "--preset", "llama3-8b,qwen2.5-7b", "--backends",
-                 "pkv-split", "--cells", "B1 L1K", "--memory-gb", "2", "--out",
+                 "pkv-split", "--cells", " B1 L1K", "--memory-gb", "2", "--out",
                  str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["llama3-8b.json",
                                                                "qwen2.5-7b.json"]

@@ -127,7 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for preset, shape in shapes:
         status = max(status, run_bench(
             device=torch.device(device), grid=args.grid,
-            cells=args.cells.split(",") if args.cells else None,
+            cells=[c.strip() for c in args.cells.split(",")] if args.cells else None,
             traces=args.traces.split(",") if args.traces else None, trace_file=args.trace_file,
             batch_slots=args.batch_slots, backends=args.backends.split(","), shape=shape,
             opts=opts, out_dir=Path(args.out), tag=_tag_for(args, preset, shapes)))
@@ -144,7 +144,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     from .bench.sweep import SWEEP_CELLS, run_sweep
 
-    cells = [c for c in args.cells.split(",") if c] if args.cells else list(SWEEP_CELLS)
+    cells = ([c.strip() for c in args.cells.split(",") if c.strip()] if args.cells
+             else list(SWEEP_CELLS))
     try:
         spec = json.loads(args.spec)
     except json.JSONDecodeError as err:

@@ -91,7 +91,7 @@ class RunOptions:
         if not (math.isfinite(self.memory_budget_gb) and self.memory_budget_gb > 0):
             raise ValueError(f"memory budget must be > 0 GB, got {self.memory_budget_gb!r}")
         if self.q_len != "mix" and not (isinstance(self.q_len, str) and self.q_len.isdecimal()
-                                        and self.q_len.isascii()
+                                        and self.q_len.isascii() and self.q_len[0] != "0"
                                         and 1 <= int(self.q_len) <= MAX_QUERIES_PER_ROW):
             raise ValueError(f"q_len must be 1 to {MAX_QUERIES_PER_ROW} or 'mix', got "
                              f"{self.q_len!r}")
