@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged_case import block_kwargs, csr_kwargs, make_case
+from paged_case import DEVICE, block_kwargs, csr_kwargs, make_case
 from persistentkv import (TOLERANCE, DecodeWrapper, PagedKVCache, PageTable, reference_decode,
                           relative_error)
 
@@ -392,3 +392,34 @@ def test_split_pages_must_fit_int32_tokens(case):
         with pytest.raises(ValueError, match=r"split_pages x page_size must be at most 2\^30 "
                                              rf"tokens, got split_pages={bad} at page_size="):
             planned(case, backend="split", split_pages=bad)
+
+
+def test_q_rows_are_checked_against_each_plan():
+    """Launches are shared by plans of any batch size: a run after a plan of another batch still
+    checks q's rows (it reused the earlier check, then read past q and wrote past out)."""
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4)
+    case = make_case(seq_lens=[5, 9, 7], **heads)
+    block_table, seq_lens = case.table.block_table(DEVICE)
+    wrapper = DecodeWrapper(case.layout)
+    wrapper.plan(block_table=block_table, seq_lens=seq_lens, **heads)
+    wrapper.run(case.q, case.kv_cache)
+    wrapper.plan(block_table=block_table[:2].contiguous(), seq_lens=seq_lens[:2].contiguous(),
+                 **heads)
+    wrapper.run(case.q[:2], case.kv_cache)
+    wrapper.plan(block_table=block_table, seq_lens=seq_lens, **heads)
+    with pytest.raises(ValueError, match=r"q must be \[batch_size, num_qo_heads, head_dim\] = "
+                                         r"\[3, 4, 16\] as planned, got \[2, 4, 16\]"):
+        wrapper.run(case.q[:2], case.kv_cache)
+    out = torch.full_like(case.q, float("nan"))
+    wrapper.run(case.q, case.kv_cache, out=out)
+    ref, _ = reference_decode(case.q, case.kv_cache, layout=case.layout,
+                              **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
+def test_a_pool_of_no_pages_is_refused_for_a_trusted_table(case):
+    """A trusted table's entries outside the pool read page 0: with no page 0 it read address 0."""
+    wrapper = planned(case)
+    empty = case.kv_cache[:0]
+    with pytest.raises(ValueError, match=r"kv_cache has no pages \(shape \[0, "):
+        wrapper.run(case.q, empty)

@@ -394,3 +394,15 @@ def test_a_replaced_workspace_gets_its_own_launches(monkeypatch):
         assert relative_error(out, ref) <= TOLERANCE[torch.float16]
         plan.workspace.device = torch.device("meta")   # as if its last plan ran on another GPU
     assert len(serials) == 3
+
+
+def test_plan_caches_stay_bounded():
+    """Plans of ever new options (here 100 softmax scales) keep a bounded number of setups and
+    bound launches (the setups grew by one a plan)."""
+    case = make_case(seq_lens=[20, 9], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    wrapper = DecodeWrapper("NHD")
+    for i in range(100):
+        wrapper.plan(**csr_kwargs(case.table), num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, sm_scale=0.1 + i / 1000)
+    planner = wrapper._planner
+    assert len(planner._setups) <= 65 and len(planner._bound) <= 65

@@ -150,6 +150,8 @@ class DecodeLauncher:
         except (AttributeError, TypeError, ValueError):
             sig = None
         prepared = self._prepared.get(sig)
+        if prepared is not None and plan.total_queries not in (None, q.shape[0]):
+            check_q_rows(plan, q)   # launches are shared by plans of any batch: not by sig
         if prepared is None:
             prepared = self._prepare(plan, q, kv_cache, out, return_lse, sinks,
                                      k_scale is not None, kv_scales)
@@ -239,6 +241,18 @@ class DecodeLauncher:
                                    max_registers=max_registers)
 
 
+def check_q_rows(plan, q: torch.Tensor) -> None:
+    """q [total_q, Hq, D] as planned: total_q the batch size, qo_indptr[-1], or (graph mode's
+    qo_indptr) any."""
+    want = (plan.total_queries, plan.num_qo_heads, plan.head_dim)
+    if plan.total_queries is None:
+        want = (q.shape[0], *want[1:])
+    if tuple(q.shape) != want:
+        rows = "batch_size" if plan.queries is None else "qo_indptr[-1]"
+        raise ValueError(f"q must be [{rows}, num_qo_heads, head_dim] = {list(want)} as "
+                         f"planned, got {list(q.shape)}")
+
+
 def check_run_inputs(plan, q, kv_cache, *, kv_layout: str, sinks, tensor_scales: bool,
                      kv_scales) -> tuple[torch.Tensor, torch.Tensor]:
     """run()'s checks of q [total_q, Hq, D], the cache (and an fp8 cache's scales) and the sinks
@@ -249,13 +263,7 @@ def check_run_inputs(plan, q, kv_cache, *, kv_layout: str, sinks, tensor_scales:
     from .page_inputs import cache_views
 
     check_tensor("q", q, dtype=CACHE_DTYPES, dim=3)
-    want = (plan.total_queries, plan.num_qo_heads, plan.head_dim)
-    if plan.total_queries is None:      # graph mode's qo_indptr: any number of rows
-        want = (q.shape[0], *want[1:])
-    if tuple(q.shape) != want:
-        rows = "batch_size" if plan.queries is None else "qo_indptr[-1]"
-        raise ValueError(f"q must be [{rows}, num_qo_heads, head_dim] = {list(want)} as "
-                         f"planned, got {list(q.shape)}")
+    check_q_rows(plan, q)
     if q.stride(-1) != 1:
         raise ValueError(f"q must be contiguous along head_dim, got strides {q.stride()}")
     k, v, (num_pages, heads, page, dim) = cache_views(kv_cache, kv_layout)
@@ -271,6 +279,9 @@ def check_run_inputs(plan, q, kv_cache, *, kv_layout: str, sinks, tensor_scales:
         raise ValueError(f"kv_cache ({kv_layout}) has num_kv_heads={heads}, page_size={page}, "
                          f"head_dim={dim}; the plan has {plan.num_kv_heads}, {plan.page_size}, "
                          f"{plan.head_dim}")
+    if num_pages == 0 and plan.guard is not None and plan.batch_size:
+        raise ValueError(f"kv_cache has no pages (shape {list(k.shape)}): a trusted page table's "
+                         f"entries outside the pool read page 0 (check_page_table=False)")
     if plan.max_page_index >= num_pages:
         raise ValueError(f"{plan.max_page_at}={plan.max_page_index} is a page index outside "
                          f"the pool of {num_pages} pages")

@@ -241,6 +241,8 @@ class Planner:
         head_items = _head_items(options, config, q_pad)
         setup = self._setups.get((options, device, head_items))
         if setup is None:
+            if len(self._setups) > 64:   # as the wrapper's options: new options, new setups
+                self._setups.clear()
             setup = self._setups[options, device, head_items] = self._setup(options, device,
                                                                             head_items)
         code_bins, target, chunks, fixed_tail = setup
