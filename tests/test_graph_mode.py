@@ -325,6 +325,30 @@ def test_one_captured_graph_replays_a_whole_trace(form):
     assert checked > 10
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA graphs")
+def test_host_metadata_is_refused_while_a_graph_is_captured():
+    """A host tensor's copy captured in a graph replays from a temporary pinned buffer, not from
+    the tensor refilled in place: plan() refuses host lengths or offsets while capturing (and
+    takes them outside a capture)."""
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    case = make_case(seq_lens=[40, 9], **heads)
+    indptr, indices, last = case.table.csr(DEVICE)
+    block, lens = case.table.block_table(DEVICE)
+    queries = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for name, kwargs in (("kv_indptr", dict(kv_indptr=indptr.cpu(), kv_indices=indices,
+                                           kv_last_page_len=last)),
+                         ("seq_lens", dict(block_table=block, seq_lens=lens.cpu())),
+                         ("qo_indptr", dict(kv_indptr=indptr, kv_indices=indices,
+                                            kv_last_page_len=last, qo_indptr=queries))):
+        wrapper = DecodeWrapper("NHD")
+        wrapper.plan(**kwargs, **heads)
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match=f"{name} is on the host while a CUDA graph is "
+                                             f"captured: give it on cuda"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                wrapper.plan(**kwargs, **heads)
+
+
 def test_a_checked_plan_first_leaves_room_for_trusted_plans():
     """Graph mode sizes the page guard's copy at the first plan() even when that plan checks its
     table on the host (needing no copy): a trusted plan after it fits and matches the reference."""

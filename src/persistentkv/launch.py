@@ -227,8 +227,10 @@ class DecodeLauncher:
         num_stages = cfg.stages(tile_rows=max_queries * group)
         # Everything Triton specializes on: the constexprs (PDL among them), the launch options,
         # the dtypes, the strides (by value) and the 16-byte alignment of the pointers (workspace
-        # and fresh outputs come from torch's allocator, always aligned).
-        key = (tuple(constexprs.values()), cfg.num_warps, num_stages, max_registers,
+        # and fresh outputs come from torch's allocator, always aligned); a compiled kernel is
+        # loaded on one device.
+        key = (q.device.index, tuple(constexprs.values()), cfg.num_warps, num_stages,
+               max_registers,
                q.dtype, strides,
                q.data_ptr() % 16, out_align,
                k.data_ptr() % 16, v.data_ptr() % 16, plan.indices.data_ptr() % 16,

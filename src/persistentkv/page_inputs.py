@@ -30,11 +30,21 @@ def host_values(*tensors: torch.Tensor) -> list[np.ndarray]:
 
 def check_metadata_device(device: torch.device, **tensors: torch.Tensor) -> None:
     """Lengths and offsets may sit on the host (no device-to-host copy in plan()) or beside the
-    page indices."""
+    page indices; beside them while a CUDA graph is captured."""
     for name, t in tensors.items():
         if t.device != device and t.device.type != "cpu":
             raise ValueError(f"{name} is on {t.device}; it must be on the CPU or on {device} with "
                              f"the page indices")
+        check_not_copied_in_capture(name, t, device)
+
+
+def check_not_copied_in_capture(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """A host tensor's copy to `device` captured in a CUDA graph would replay from a temporary
+    buffer, not from `t` refilled in place: refused while capturing."""
+    if (device.type == "cuda" and t.device.type == "cpu"
+            and torch.cuda.is_current_stream_capturing()):
+        raise ValueError(f"{name} is on the host while a CUDA graph is captured: give it on "
+                         f"{device} (its copy would replay from a temporary buffer)")
 
 
 def check_csr_shapes(kv_indptr, kv_indices, kv_last_page_len) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .checks import check_offsets, check_tensor
-from .page_inputs import host_values
+from .page_inputs import check_not_copied_in_capture, host_values
 from .runtime import next_power_of_2
 
 MAX_QUERIES_PER_ROW = 16
@@ -51,6 +51,7 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     if qo_indptr.device.type != "cpu" and qo_indptr.device != device:
         raise ValueError(f"qo_indptr is on {qo_indptr.device}: it must be on the host or on the "
                          f"page table's device {device}")
+    check_not_copied_in_capture("qo_indptr", qo_indptr, device)
     (indptr,) = host_values(qo_indptr)
     counts = check_offsets("qo_indptr", indptr)
     most = int(counts.max()) if rows else 0
