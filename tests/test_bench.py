@@ -321,7 +321,7 @@ def test_config_variants_are_checked_like_the_defaults():
             make_backends([f"pkv-split:warps{bad}"], layout="HND", device=device)
     for bad in (0, -1.0, float("inf"), float("nan"), 1e12, True, "2"):
         with pytest.raises(ValueError, match=re.escape(
-                f"KernelConfig.waves must be in (0, 64], got {bad!r}")):
+                f"KernelConfig.waves must be in (0, 1024], got {bad!r}")):
             KernelConfig(waves=bad)
     assert _pkv_variant("pkv-auto:wholefill0.95") == ("auto", None, {"whole_row_fill": 0.95})
     assert _pkv_variant("pkv-auto:pps3:maxreg168") == (
@@ -333,7 +333,7 @@ def test_config_variants_are_checked_like_the_defaults():
         "auto", None, {"max_registers": None, "max_registers_rows": 32})
     assert _override_suffix({"long_block_n": None, "block_n": 128}) == ":longblockn0:blockn128"
     for name in ("pkv-auto:smallstep1572865:waves2.5", "pkv-auto:waves0.123456789",
-                 "pkv-auto:wholefill0.95:smallstep1572864"):   # names parse back to themselves
+                 "pkv-auto:wholefill0.95:smallstep1572864", "pkv-auto:pdl1:waves3"):   # parse back
         _, _, overrides = _pkv_variant(name)
         assert "pkv-auto" + _override_suffix(overrides) == name
     for bad in (0, 100, 256, True, 168.0):

@@ -329,24 +329,45 @@ def test_one_captured_graph_replays_a_whole_trace(form):
 def test_host_metadata_is_refused_while_a_graph_is_captured():
     """A host tensor's copy captured in a graph replays from a temporary pinned buffer, not from
     the tensor refilled in place: plan() refuses host lengths or offsets while capturing (and
-    takes them outside a capture)."""
+    takes them outside a capture). An eager plan() reads qo_indptr's values on the host: a
+    capture takes it there (its pinned copy kept with the plan), not on the device."""
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     case = make_case(seq_lens=[40, 9], **heads)
     indptr, indices, last = case.table.csr(DEVICE)
     block, lens = case.table.block_table(DEVICE)
-    queries = torch.tensor([0, 1, 2], dtype=torch.int32)
-    for name, kwargs in (("kv_indptr", dict(kv_indptr=indptr.cpu(), kv_indices=indices,
-                                           kv_last_page_len=last)),
-                         ("seq_lens", dict(block_table=block, seq_lens=lens.cpu())),
-                         ("qo_indptr", dict(kv_indptr=indptr, kv_indices=indices,
-                                            kv_last_page_len=last, qo_indptr=queries))):
+    queries = torch.tensor([0, 1, 3], dtype=torch.int32)
+    for kwargs, match in (
+            (dict(kv_indptr=indptr.cpu(), kv_indices=indices, kv_last_page_len=last),
+             "kv_indptr is on the host while a CUDA graph is captured: give it on cuda"),
+            (dict(block_table=block, seq_lens=lens.cpu()),
+             "seq_lens is on the host while a CUDA graph is captured: give it on cuda"),
+            (dict(block_table=block, seq_lens=lens, qo_indptr=queries.to(DEVICE)),
+             "qo_indptr is on cuda:0 while a CUDA graph is captured: plan\\(\\) reads it on the "
+             "host")):
         wrapper = DecodeWrapper("NHD")
         wrapper.plan(**kwargs, **heads)
         torch.cuda.synchronize()
-        with pytest.raises(ValueError, match=f"{name} is on the host while a CUDA graph is "
-                                             f"captured: give it on cuda"):
+        with pytest.raises(ValueError, match=match):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 wrapper.plan(**kwargs, **heads)
+    q = torch.randn(3, 8, 64, dtype=torch.float16, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(block_table=block, seq_lens=lens, qo_indptr=queries, **heads)
+    wrapper.run(q, case.kv_cache, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.plan(block_table=block, seq_lens=lens, qo_indptr=queries, **heads)
+        wrapper.run(q, case.kv_cache, out=out)
+    out.fill_(float("nan"))
+    for _ in range(2):
+        torch.empty(3, dtype=torch.int32).pin_memory().fill_(7)   # pinned memory reused
+        graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = reference_decode(q, case.kv_cache, layout="NHD", block_table=block, seq_lens=lens,
+                              qo_indptr=queries)
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
 
 
 def test_a_checked_plan_first_leaves_room_for_trusted_plans():

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .checks import check_offsets, check_tensor
-from .page_inputs import check_not_copied_in_capture, host_values
+from .page_inputs import host_values
 from .runtime import next_power_of_2
 
 MAX_QUERIES_PER_ROW = 16
@@ -24,11 +24,13 @@ MAX_TILE_ROWS = 128          # query tokens x group in one tile
 class QueryLayout:
     """A step's query tokens: indptr int32 [B+1] on the kernels' device, total = indptr[B]
     (q.shape[0] at run(); None in graph mode, where the values stay on the device), max_per_row
-    = the tile's query tokens per row (a power of two >= the most of any row)."""
+    = the tile's query tokens per row (a power of two >= the most of any row); host_source: the
+    pinned copy indptr came from, kept while the plan lives (a captured copy replays from it)."""
 
     indptr: torch.Tensor
     total: int | None
     max_per_row: int
+    host_source: torch.Tensor | None = None
 
 
 def _check_indptr_tensor(qo_indptr: object) -> None:
@@ -51,7 +53,10 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     if qo_indptr.device.type != "cpu" and qo_indptr.device != device:
         raise ValueError(f"qo_indptr is on {qo_indptr.device}: it must be on the host or on the "
                          f"page table's device {device}")
-    check_not_copied_in_capture("qo_indptr", qo_indptr, device)
+    if qo_indptr.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"qo_indptr is on {qo_indptr.device} while a CUDA graph is captured: "
+                         f"plan() reads it on the host, which a capture cannot; give it on the "
+                         f"host, or build the DecodeWrapper with use_cuda_graph=True")
     (indptr,) = host_values(qo_indptr)
     counts = check_offsets("qo_indptr", indptr)
     most = int(counts.max()) if rows else 0
@@ -67,9 +72,10 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
             r = int(over[0])
             raise ValueError(f"row {r} has {counts[r]} query tokens (qo_indptr) but only "
                              f"{seq_lens[r]} tokens in the cache: its queries must be among them")
+    pinned = (qo_indptr.pin_memory() if device.type == "cuda" and qo_indptr.device.type == "cpu"
+              else None)
     on_device = qo_indptr if qo_indptr.device == device else (
-        qo_indptr.pin_memory().to(device, non_blocking=True) if device.type == "cuda"
-        else qo_indptr.to(device))
+        pinned.to(device, non_blocking=True) if pinned is not None else qo_indptr.to(device))
     if tile_queries is not None:
         tile = max(2, next_power_of_2(tile_queries))
     elif (counts == 1).all():                 # plain decode: the one-token kernel
@@ -79,7 +85,8 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     _check_tile(tile, group=group, queries_per_row=(
         f"max_queries_per_row={tile_queries}" if tile_queries is not None
         else f"the batch's most query tokens a row, {most},"))
-    return QueryLayout(indptr=on_device, total=int(indptr[-1]), max_per_row=tile)
+    return QueryLayout(indptr=on_device, total=int(indptr[-1]), max_per_row=tile,
+                       host_source=pinned)
 
 
 def _check_tile(tile: int, *, group: int, queries_per_row: str) -> None:

@@ -26,7 +26,7 @@ SMALL_STEP_KV_BYTES_PER_SM = 768 << 10
 # L8K (splits of 2048) 0.7-1.6%; 2560 keeps B8 L8K on its splits.
 WIDE_HEAD_BALANCED_FROM_TOKENS = 2560
 # KernelConfig.waves at most: the task buffers grow with it (at 1e12 a plan asked for 128 TB)
-MAX_WAVES = 64
+MAX_WAVES = 1024
 
 
 @dataclass(frozen=True)

@@ -414,9 +414,9 @@ def _override_suffix(overrides: dict) -> str:
 
 
 def _exact(value: int | float) -> str:
-    if isinstance(value, int) or float(f"{value:g}") != value:
-        return str(value)
-    return f"{value:g}"
+    if isinstance(value, int):
+        return str(int(value))   # a flag as 0 or 1
+    return f"{value:g}" if float(f"{value:g}") == value else str(value)
 
 
 def _with_overrides(config: KernelConfig | None, overrides: dict, *, head_dim: int,
