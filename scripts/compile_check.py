@@ -122,7 +122,8 @@ def sass_counts(cubin: bytes) -> str:
     """Instruction counts from the cubin's SASS: all, shared-memory loads (LDS, and LDSM =
     ldmatrix) and stores (STS), global loads into registers (LDG), byte permutes (PRMT) and
     16-byte asynchronous copies (LDGSTS.128), the MMAs (HMMA: mma.sync; HGMMA, and fp8's QGMMA:
-    wgmma) and the fp8 conversions (F2FP)."""
+    wgmma), the fp8 conversions (F2FP) and the barriers (BAR: bar.sync, of cross-warp exchanges
+    among others)."""
     ops = _sass_ops(cubin)
 
     def count(prefix):
@@ -131,7 +132,7 @@ def sass_counts(cubin: bytes) -> str:
     return (f"{len(ops)} instructions, {count('LDS')} LDS, {count('LDSM')} LDSM, "
             f"{count('STS')} STS, {count('LDG')} LDG, {count('PRMT')} PRMT, "
             f"{ldgsts} LDGSTS.128, {count('HMMA')} HMMA, {count('HGMMA') + count('QGMMA')} wgmma, "
-            f"{count('F2FP')} F2FP")
+            f"{count('F2FP')} F2FP, {count('BAR')} BAR")
 
 
 def main():

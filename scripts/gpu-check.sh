@@ -9,7 +9,7 @@
 #                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
 #                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
 #                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        mixwaves|d256chunks|tp8b128|wholerows|
+#                                        mixwaves|d256chunks|tp8b128|wholerows|abtree|
 #                                        padrows|widepad|d256regs|d512q|capregs|policycost|
 #                                        mblockcross|smallstep|smallsweep|d512cross|largerows|
 #                                        e2e ...]
@@ -90,7 +90,8 @@
 # more, shorter tasks claimed longest first) and balanced chunks beside the default, once (v42,
 # H100: finer items lost 1-18%, chunks tied or won at gemma2-9b);
 # d256chunks: gemma2-9b's grid with v42's chunks from 2560-token splits (the default) against
-# the rule before (chunks from 16K), twice;
+# the rule before (chunks from 16K), twice; abtree: this tree against another's src folder
+# ($BASE_SRC) over $CELLS with $BENCH_ARGS, alternated twice (v47: the per-token fp8 fix);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -493,6 +494,8 @@ for step in $steps; do
                done ;;
     wholerows) mkdir -p "$out/wholerows"   # v46: whole rows where rows x KV heads are 128 (4
                # under the SMs, so the rule splits them) at every KV-head count, rows of 1K and 2K
+               # (v47, H200: the rule's whole rows from 95% of the SMs, :wholefill0.95, since
+               # removed, lost 11-46% to the default everywhere)
                for pc in "llama3-70b-tp8:B128 L1K,B128 L2K" "qwen2.5-7b:B32 L1K,B32 L2K" \
                          "llama3-8b:B16 L1K,B16 L2K" "gpt-oss-tp8:B128 L1K,B128 L2K" \
                          "llama3-70b-tp4:B64 L1K,B64 L2K" "gemma2-9b:B16 L1K,B16 L2K" \
@@ -501,12 +504,26 @@ for step in $steps; do
                  for i in $repeats; do
                    timeout 150 python3 -m persistentkv.cli bench --grid --preset "$p" \
                      --cells "${pc#*:}" \
-                     --backends "pkv-auto,pkv-auto:wholefill0.95,pkv-grouped,$(
-                                 )pkv-grouped:stages4,fi-tensor-core,fi-xqa" \
+                     --backends pkv-auto,pkv-grouped,pkv-grouped:stages4,fi-tensor-core,fi-xqa \
                      --out "$out/wholerows" --tag "$p-$i" > "$out/wholerows/$p-$i-log.txt" 2>&1
                    tail -1 "$out/wholerows/$p-$i-log.txt"
                  done
                done ;;
+    abtree)    mkdir -p "$out/abtree"   # this tree (B) against another one's src folder (A:
+               # $BASE_SRC, e.g. `git archive <commit> src | tar x -C <dir>`, then <dir>/src),
+               # pkv-auto over $CELLS with $BENCH_ARGS (e.g. "--kv-fp8 token"), alternated twice
+               base=${BASE_SRC:?abtree compares with BASE_SRC, the src folder of another tree}
+               for i in 1 2; do
+                 for side in a b; do
+                   src=$PWD/src; [ $side = a ] && src=$base
+                   PYTHONPATH="$src:${PYTHONPATH:-}" timeout 200 python3 -m persistentkv.cli bench \
+                     --grid ${BENCH_ARGS:-} --cells "${CELLS:-B1 L32K,B8 L8K,B8 L32K,B32 L8K}" \
+                     --backends pkv-auto --out "$out/abtree" --tag "$side-$i" \
+                     > "$out/abtree/$side-$i-log.txt" 2>&1; tail -1 "$out/abtree/$side-$i-log.txt"
+                 done
+               done
+               python3 scripts/benchmark_tables.py --ab-a "$out"/abtree/a-{1,2}.json \
+                 --ab-b "$out"/abtree/b-{1,2}.json ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"

@@ -311,10 +311,6 @@ def test_config_variants_are_checked_like_the_defaults():
         with pytest.raises(ValueError, match=re.escape(
                 f"KernelConfig.balanced_from_tokens must be an int >= 0, got {bad!r}")):
             KernelConfig(balanced_from_tokens=bad)
-    for bad in (0, 0.0, 1.5, -0.5, True, "0.5"):
-        with pytest.raises(ValueError, match=re.escape(
-                f"KernelConfig.whole_row_fill must be in (0, 1], got {bad!r}")):
-            KernelConfig(whole_row_fill=bad)
     for bad in (3, 64):
         with pytest.raises(ValueError, match=re.escape(
                 f"KernelConfig.num_warps must be a power of two up to 32, got {bad}")):
@@ -323,7 +319,6 @@ def test_config_variants_are_checked_like_the_defaults():
         with pytest.raises(ValueError, match=re.escape(
                 f"KernelConfig.waves must be in (0, 1024], got {bad!r}")):
             KernelConfig(waves=bad)
-    assert _pkv_variant("pkv-auto:wholefill0.95") == ("auto", None, {"whole_row_fill": 0.95})
     assert _pkv_variant("pkv-auto:pps3:maxreg168") == (
         "auto", None, {"programs_per_sm": 3, "max_registers": 168})
     assert _pkv_variant("pkv-auto:blockn64:longblockn128:longfrom1024") == (
@@ -333,7 +328,7 @@ def test_config_variants_are_checked_like_the_defaults():
         "auto", None, {"max_registers": None, "max_registers_rows": 32})
     assert _override_suffix({"long_block_n": None, "block_n": 128}) == ":longblockn0:blockn128"
     for name in ("pkv-auto:smallstep1572865:waves2.5", "pkv-auto:waves0.123456789",
-                 "pkv-auto:wholefill0.95:smallstep1572864", "pkv-auto:pdl1:waves3"):   # parse back
+                 "pkv-auto:smallstep1572864", "pkv-auto:pdl1:waves3"):   # parse back
         _, _, overrides = _pkv_variant(name)
         assert "pkv-auto" + _override_suffix(overrides) == name
     for bad in (0, 100, 256, True, 168.0):

@@ -37,12 +37,8 @@ def documented_split(lens, *, page_size: int, num_kv_heads: int, config: KernelC
     lens = lens[lens > 0]
     target = max(1, int(config.waves * sms / num_kv_heads))     # tasks per KV head
     split = max(config.min_split_tokens, cdiv(int(lens.sum()), target))
-    # rows x KV heads fill the SMs and no row is much longer than the balanced split: whole rows;
-    # short of the SMs, from config.whole_row_fill of them, when no row is much longer than the mean
-    tasks = len(lens) * num_kv_heads
-    if tasks >= sms and lens.max() <= WHOLE_ROW_SLACK * split or \
-            config.whole_row_fill * sms <= tasks < sms \
-            and lens.max() <= WHOLE_ROW_SLACK * lens.mean():
+    # rows x KV heads fill the SMs and no row is much longer than the balanced split: whole rows
+    if len(lens) * num_kv_heads >= sms and lens.max() <= WHOLE_ROW_SLACK * split:
         split = int(lens.max())
     split = max(1, cdiv(split, page_size)) * page_size
     if config.one_round:
@@ -211,23 +207,6 @@ def test_whole_rows_when_rows_fill_the_sms():
     alone, starts = plan_for([1000])
     info, _ = check_tasks(alone, [1000], starts, 16)
     assert info["num_tasks"] > 1
-
-
-@pytest.mark.parametrize("fill", [0.25, 0.5, 1.0])
-def test_whole_rows_of_even_length_from_a_fraction_of_the_sms(fill):
-    """KernelConfig.whole_row_fill: short of the SMs, rows x KV heads of that fraction of them
-    take whole rows when no row is longer than WHOLE_ROW_SLACK x the mean (a row of 1.5x the
-    mean is cut); 1.0 is the rule without it. Each step planned as the documented rule says."""
-    config = dataclasses.replace(CFG, whole_row_fill=fill)
-    for lens in [[1024] * n for n in range(1, SMS + 1)] + [[1024, 3072], [1000, 1100, 900]]:
-        plan, starts = plan_for(lens, num_kv_heads=1, config=config)
-        info, rec = check_tasks(plan, lens, starts, 16)
-        if len(lens) < SMS:   # from all of the SMs, the test against the balanced split
-            whole = len(lens) >= fill * SMS and max(lens) <= WHOLE_ROW_SLACK * np.mean(lens)
-            assert ((rec[:, 5] == -1).all() and info["num_tasks"] == len(lens)) == whole, \
-                (lens, info)
-        assert (info["choice"], info["split_tokens"]) == documented_plan(
-            lens, page_size=16, num_kv_heads=1, config=config)
 
 
 def test_a_long_row_in_a_large_batch_is_balanced():

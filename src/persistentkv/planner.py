@@ -25,7 +25,7 @@ from .policy import EDGES, Policy, fallback_choice, load_policy
 from .runtime import next_power_of_2, sm_count
 from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
                        chunks_per_head, min_split_tokens, partial_bound, split_task_target,
-                       task_bound, whole_row_rows)
+                       task_bound, whole_row_min_rows)
 from .tuning import KernelConfig
 
 _WORKSPACE_SERIALS = itertools.count()
@@ -361,9 +361,7 @@ class Planner:
         # query rows too (_bind puts it between them)
         before_split = (choice.code() if dense is None else 0, target, chunks)
         after_split = (cfg.balanced_from_tokens,
-                       whole_row_rows(num_kv_heads=head_items, sm_count=sms),
-                       whole_row_rows(num_kv_heads=head_items, sm_count=sms,
-                                      fill=cfg.whole_row_fill),
+                       whole_row_min_rows(num_kv_heads=head_items, sm_count=sms),
                        WHOLE_ROW_SLACK, ONE_ROUND_SLACK, len(EDGES[1]) + 1, len(EDGES[2]) + 1)
         return code_bins, target, chunks, (edges, table, before_split, after_split,
                                            dense is not None)

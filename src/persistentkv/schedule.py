@@ -14,12 +14,12 @@ The split rule: the step's tokens shared out as about config.waves x SMs tasks, 
 min_split_tokens (config.min_split_tokens, more for tiles of many query rows). When rows x KV
 heads already fill the SMs and no row is longer than WHOLE_ROW_SLACK x that balanced split, whole
 rows (splitting would only add partial writes and merges); a long row in a large batch is still
-cut. Short of the SMs, from rows x KV heads of config.whole_row_fill of them (1.0: never), whole
-rows where no row is longer than WHOLE_ROW_SLACK x the mean row (the balanced split is about
-half a row there, so the test above would cut them). With config.one_round the split grows (by at
-most ONE_ROUND_SLACK, in at most ONE_ROUND_STEPS steps) until the tasks fit in the target: each
-row's last, partial split would otherwise overflow it (B4 x 128K: 8 splits of 16K per row, 32
-tasks per KV head, rather than 9 of 15.9K, 36 tasks, and a second round for 3 of them). Last, the
+cut. Short of the SMs the rows are cut too: whole rows from 95% of them (where no row is longer
+than WHOLE_ROW_SLACK x the mean) ran 17-46% slower on the H200 (docs/perf-notes.md, v47). With
+config.one_round the split grows (by at most ONE_ROUND_SLACK, in at most ONE_ROUND_STEPS steps)
+until the tasks fit in the target: each row's last, partial split would otherwise overflow it (B4
+x 128K: 8 splits of 16K per row, 32 tasks per KV head, rather than 9 of 15.9K, 36 tasks, and a
+second round for 3 of them). Last, the
 split shrinks to the fewest pages that keep every row's split count, so each row's splits are
 even (1024 tokens at a 144-token split: 8 splits of 128, not 7 of 144 and one of 16).
 
@@ -44,7 +44,6 @@ chunks start from splits of 2560 tokens (tuning.WIDE_HEAD_BALANCED_FROM_TOKENS; 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .tuning import KernelConfig
@@ -112,9 +111,9 @@ def split_task_target(*, num_kv_heads: int, sm_count: int, config: KernelConfig)
     return max(1, int(config.waves * sm_count / num_kv_heads))
 
 
-def whole_row_rows(*, num_kv_heads: int, sm_count: int, fill: float = 1.0) -> int:
-    """Rows from which one task per (row, KV head) fills `fill` of the SMs (at 1.0, all)."""
-    return max(1, math.ceil(round(fill * sm_count, 6) / num_kv_heads))
+def whole_row_min_rows(*, num_kv_heads: int, sm_count: int) -> int:
+    """Rows from which one task per (row, KV head) alone fills the SMs."""
+    return -(-sm_count // num_kv_heads)
 
 
 def chunks_per_head(*, programs: int, num_kv_heads: int) -> int:

@@ -80,8 +80,6 @@ class KernelConfig:
     warp-group MMA's): each reads all of K for the scores and its share of V, and holds its
     share of the accumulator. value_block_stages: those programs' num_stages (None: num_stages),
     so that their tile's shared memory leaves room for programs_per_sm of them.
-    whole_row_fill: short of the SMs, the split rule plans whole rows from rows x KV heads of
-    this fraction of them where the rows are even (schedule.py; 1.0: only from all of them).
     """
 
     block_n: int = 64
@@ -104,7 +102,6 @@ class KernelConfig:
     large_step_tile_rows: int | None = None
     value_blocks: int = 1
     value_block_stages: int | None = None
-    whole_row_fill: float = 1.0
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -258,10 +255,6 @@ class KernelConfig:
         if isinstance(waves, bool) or not isinstance(waves, (int, float)) \
                 or not 0 < waves <= MAX_WAVES:
             raise ValueError(f"KernelConfig.waves must be in (0, {MAX_WAVES}], got {waves!r}")
-        fill = self.whole_row_fill
-        if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 < fill <= 1:
-            raise ValueError(f"KernelConfig.whole_row_fill must be in (0, 1], got "
-                             f"{self.whole_row_fill!r}")
 
 
 @functools.lru_cache(maxsize=None)

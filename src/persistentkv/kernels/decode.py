@@ -164,6 +164,7 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     acc = tl.zeros([G_PAD, DV_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    r_i = tl.zeros([G_PAD], dtype=tl.float32)   # TOKEN_SCALES: acc's unit (online_softmax_step)
     offs_n = tl.arange(0, BLOCK_N)
     # Each tile's page indices are loaded one iteration ahead: K/V addresses then never wait on an
     # index load of their own iteration, and the compiler pipelines the K/V loads num_stages - 1
@@ -228,7 +229,10 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
         if feat.WINDOW:
             scores = tl.where(tok[None, :] >= lower[:, None], scores, -1e30)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, scores, v, v_sc, feat.TOKEN_SCALES)
+        acc, m_i, l_i, r_i = online_softmax_step(acc, m_i, l_i, r_i, scores, v, v_sc,
+                                                 feat.TOKEN_SCALES)
+    if feat.TOKEN_SCALES:
+        acc = acc * r_i[:, None]
     return acc, m_i, l_i
 
 

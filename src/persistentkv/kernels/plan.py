@@ -20,16 +20,12 @@ POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with 
 
 @triton.jit
 def _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
-                whole_row_min_rows, whole_row_fill_rows, whole_row_slack, one_round_slack,
+                whole_row_min_rows, whole_row_slack, one_round_slack,
                 PAGE_SIZE: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr):
     """The split rule's split size in tokens (schedule.py describes the rule)."""
     split = tl.maximum(min_split_tokens, tl.cdiv(total, target_tasks).to(tl.int32))
-    longest = max_len.to(tl.float32)
-    fills = (active_rows >= whole_row_min_rows) & (longest <= whole_row_slack
-                                                   * split.to(tl.float32))
-    even = (active_rows >= whole_row_fill_rows) & (active_rows < whole_row_min_rows) & (
-        longest * active_rows.to(tl.float32) <= whole_row_slack * total.to(tl.float32))
-    if fills | even:
+    if (active_rows >= whole_row_min_rows) & (max_len.to(tl.float32)
+                                              <= whole_row_slack * split.to(tl.float32)):
         split = max_len
     split = tl.maximum(tl.cdiv(split, PAGE_SIZE), 1) * PAGE_SIZE
     if ONE_ROUND_STEPS > 0:   # grow until the tasks fit in target_tasks, by at most one_round_slack
@@ -114,14 +110,14 @@ def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pag
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
                                "task_capacity", "partial_capacity", "choice", "target_tasks",
                                "chunk_target", "min_split_tokens", "balanced_from_tokens",
-                               "whole_row_min_rows", "whole_row_fill_rows", "n_len_bins",
-                               "n_spread_bins", "window_tokens"])
+                               "whole_row_min_rows", "n_len_bins", "n_spread_bins",
+                               "window_tokens"])
 def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
                 block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
                 task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
-                whole_row_min_rows, whole_row_fill_rows, whole_row_slack, one_round_slack,
-                n_len_bins, n_spread_bins, window_tokens,
+                whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
+                window_tokens,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
                 EDGES: tl.constexpr):
@@ -182,8 +178,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     else:
         code = choice
     split = _split_rule(lens, active_rows, max_len, total, target_tasks, min_split_tokens,
-                        whole_row_min_rows, whole_row_fill_rows, whole_row_slack,
-                        one_round_slack, PAGE_SIZE, ONE_ROUND_STEPS)
+                        whole_row_min_rows, whole_row_slack, one_round_slack, PAGE_SIZE,
+                        ONE_ROUND_STEPS)
     split = tl.where(code > 0, code * PAGE_SIZE, split)
     split = tl.where(code < 0, tl.maximum(tl.cdiv(max_len, PAGE_SIZE), 1) * PAGE_SIZE, split)
     # the default rule: the split rule's tasks when they fit in one round and are short enough,
