@@ -22,7 +22,7 @@ from persistentkv.schedule import Choice
 from persistentkv.tuning import KernelConfig
 
 SHAPE = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-OPTS = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1)
+OPTS = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1, rotate_l2=False)
 
 
 class WrongBackend(Backend):
@@ -346,7 +346,8 @@ def test_static_batch_with_several_query_tokens_per_row():
     assert query_counts("1", [5, 9], seed=0) is None
     assert query_counts("4", [3, 9], seed=0) == [3, 4]
     assert all(2 <= n <= 8 for n in query_counts("mix", [100] * 20, seed=1))
-    opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1, q_len="mix")
+    opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1, q_len="mix",
+                      rotate_l2=False)
     backends, _ = make_backends(["pkv-split", "pkv-balanced", "padded-sdpa"], layout="NHD",
                                 device=torch.device("cuda" if ON_GPU else "cpu"))
     shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, layout="NHD")
@@ -363,7 +364,7 @@ def test_static_batch_with_attention_variants():
     """run_static with a window, soft-cap and sinks: ours are checked against the reference with
     the same formula; a backend without them is reported unsupported, not timed."""
     opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=2, check_every=1,
-                      window_left=30, logits_soft_cap=4.0, sinks=True)
+                      window_left=30, logits_soft_cap=4.0, sinks=True, rotate_l2=False)
     device = torch.device("cuda" if ON_GPU else "cpu")
     backends, _ = make_backends(["pkv-split", "pkv-auto", "padded-sdpa"], layout="HND",
                                 device=device)
@@ -448,3 +449,114 @@ def test_sweep_checks_its_spec_and_cells_before_it_runs(tmp_path):
     with pytest.raises(ValueError, match=r"cells must be one or more of .*got \['nope'\]"):
         run_sweep(device=torch.device("cpu"), cells=["nope"], spec={}, shape=SHAPE,
                   out_path=tmp_path / "s.json")
+
+
+def test_layers_grow_until_a_step_leaves_the_l2():
+    """A step's K/V across its layers is at least L2_ROTATION_BYTES where the memory allows (at
+    most MAX_ROTATION_LAYERS layers), so that small steps are not timed out of the L2:
+    gpt-oss-tp8's B1 L1K reads 256 KB a layer (32 layers: 8 MB). Windowed steps count the tokens
+    they read."""
+    from persistentkv.bench.runner import L2_ROTATION_BYTES, MAX_ROTATION_LAYERS, layers_that_fit
+
+    opts = RunOptions()
+    tp8 = ModelShape.of("gpt-oss-tp8")
+    assert layers_that_fit(tp8, 1024 // 16, opts) == 977                # 256e6 / 256 KB
+    assert layers_that_fit(tp8, 256 // 16, opts) == MAX_ROTATION_LAYERS
+    llama = ModelShape.of("llama3-8b")
+    pages = 32 * 8192 // 16 + 1                                     # 1 GB a layer
+    assert layers_that_fit(llama, pages, opts) == 32
+    assert layers_that_fit(llama, pages, RunOptions(memory_budget_gb=8)) == 7
+    small = 4 * 1024 // 16 + 1                                      # B4 L1K: 17 MB a layer
+    per_token = llama.bytes_per_token()
+    assert layers_that_fit(llama, small, opts) == 32                # 537 MB across 32
+    assert layers_that_fit(llama, small, opts, read_tokens=4 * 128) == \
+        math.ceil(L2_ROTATION_BYTES / (4 * 128 * per_token))       # a window of 127
+    assert layers_that_fit(llama, small, RunOptions(rotate_l2=False)) == 32
+
+
+def test_kv_bytes_count_the_window():
+    """Bandwidth counts the tokens read: under a sliding window, the last window_left + q of a
+    row (the ceiling and fraction_of_ceiling were 28x too high at window 4K on 128K rows)."""
+    from persistentkv.bench.measure import kv_bytes_per_layer, read_tokens
+    from persistentkv.bench.runner import make_cache, step_inputs
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    cache = make_cache(shape, num_pages=40, layers=1, device=torch.device("cpu"), seed=0)
+    lens = [300, 20, 90]
+    for i, n in enumerate(lens):
+        cache.add_sequence(i)
+        cache.append_tokens(i, n)
+    generator = torch.Generator().manual_seed(0)
+    for window, counts, want in ((-1, None, 410), (50, None, 51 + 20 + 51),
+                                 (50, [4, 1, 2], 54 + 20 + 52)):
+        step = step_inputs(cache, [0, 1, 2], shape, generator, counts, window_left=window)
+        assert read_tokens(step) == want
+        assert kv_bytes_per_layer(step) == want * 2 * 64 * 2 * 2
+
+
+@pytest.mark.parametrize("kv_fp8", [None, "token"])
+def test_trace_pages_given_back_in_hnd_vt_hold_random_v_again(kv_fp8):
+    """HND_VT zeroes V of the pages a sequence gives back; a trace's next request on them read
+    all-zero V (the reference check then passed on zeros). The bench puts the pages' random K
+    there, scales and all."""
+    from persistentkv.bench.runner import _random_v_again, make_cache
+
+    shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, layout="HND_VT",
+                       kv_fp8=kv_fp8)
+    cache = make_cache(shape, num_pages=8, layers=2, device=torch.device("cpu"), seed=0)
+    cache.add_sequence("a")
+    cache.append_tokens("a", 40)
+    pages = list(cache.allocator.sequence("a").pages)
+    cache.free_sequence("a")
+    assert all(bool((pool[pages, 1].float() == 0).all()) for pool in cache.pools)
+    _random_v_again(cache, pages)
+    for layer, pool in enumerate(cache.pools):
+        v = pool[pages, 1].float()
+        assert torch.isfinite(v).all() and v.std() > 0.1
+        assert torch.equal(pool[pages, 1].view(torch.uint8), pool[pages, 0].view(torch.uint8))
+        if kv_fp8 == "token":
+            assert torch.equal(cache.kv_scales[layer][pages, 1], cache.kv_scales[layer][pages, 0])
+
+
+def test_a_results_file_records_its_command_runnable():
+    """The command is recorded shell-quoted: `--cells "B1 L1K"` ran again as two arguments."""
+    from persistentkv.bench.results import environment
+
+    env = environment(torch.device("cpu"), command=["persistentkv", "bench", "--cells",
+                                                    "B1 L1K,B8 zipf"], functional=True)
+    assert env["command"] == "persistentkv bench --cells 'B1 L1K,B8 zipf'"
+
+
+def test_a_refit_records_every_trace_seed_it_read():
+    """Seeds a refit's files measured, which evaluate then refuses: calibrate's, a bench run's
+    traces' (its options' seed) and any a case names; a grid's seed is no trace's (a refit from
+    a bench run of the suite's traces recorded none, so evaluate judged it on its own steps)."""
+    from persistentkv.bench.adaptive import measured_seeds
+
+    files = [{"environment": {"seeds": [1, 2]}, "steps": [{"case": "b8-zipf/seed1"}]},
+             {"environment": {"options": {"seed": 100}}, "steps": [{"case": "b2-bucketed"}]},
+             {"environment": {"options": {"seed": 0}}, "steps": [{"case": "B1 L1K"}]},
+             {"environment": {}, "steps": [{"case": "b8-zipf/seed7"}]}]
+    assert measured_seeds(files) == [1, 2, 7, 100]
+
+
+def test_calibrate_records_the_dtype_a_refit_compares(tmp_path):
+    """Calibrate's measurements record the shape as bench does (dtype and layout too): bf16 and
+    fp16 measurements are not fitted into one policy, and a bench file of the same shape joins
+    calibrate's."""
+    from persistentkv.bench.adaptive import read_measurements
+
+    paths = {}
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16),
+                        ("bench", torch.float16)):
+        shape = ModelShape(num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype)
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({"environment": {"device": "cpu",
+                                                           "shape": shape.record()},
+                                           "steps": []}))
+    assert len(read_measurements([paths["fp16"], paths["bench"]])) == 2
+    with pytest.raises(ValueError, match="measured on different GPUs or shapes"):
+        read_measurements([paths["fp16"], paths["bf16"]])
+    assert ModelShape().record() == {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                                     "page_size": 16, "dtype": "float16", "layout": "HND",
+                                     "kv_fp8": None}

@@ -73,6 +73,12 @@ def test_report_refuses_a_file_that_is_no_results_before_writing(tmp_path, capsy
     assert "is not a results file of `persistentkv bench`: it has no 'summary', 'environment'" \
         in capsys.readouterr().err
     assert not (tmp_path / "plots").exists()
+    chain = tmp_path / "pdl.json"       # a layer-chain file: its steps have no status (KeyError)
+    chain.write_text(json.dumps({"summary": [], "environment": {},
+                                 "steps": [{"setting": "pdl0", "us_per_step": 3.0}]}))
+    assert main(["report", str(chain), "--out", str(tmp_path / "plots")]) == 2
+    assert "its steps need backend, case, status" in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists()
 
 
 def test_refit_refuses_files_that_are_no_results(tmp_path, capsys):

@@ -83,6 +83,26 @@ def read_measurements(paths: list[Path]) -> list[dict]:
     return files
 
 
+def measured_seeds(files: list[dict]) -> list[int]:
+    """The trace seeds results files measured: calibrate's (its environment's seeds), a bench
+    run's (its options' seed, where it replayed the suite's traces) and any a case names
+    ('<trace>/seed<N>')."""
+    traces = {spec.name for spec in (*TRACE_SUITE, FUNCTIONAL_TRACE)}
+    seeds = set()
+    for data in files:
+        env = data["environment"]
+        seeds.update(env.get("seeds") or [])
+        seed = (env.get("options") or {}).get("seed")
+        for step in data["steps"]:
+            name = str(step.get("case", ""))
+            if name in traces and isinstance(seed, int):
+                seeds.add(seed)
+            trace, _, tail = name.rpartition("/seed")
+            if trace and tail.isdigit():
+                seeds.add(int(tail))
+    return sorted(seeds)
+
+
 def measured_from_results(paths: list[Path], files: list[dict]) -> list[Measured]:
     """Measured steps of results files (read_measurements(paths)), to refit without a GPU."""
     out = []
@@ -124,7 +144,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         env = envs[0]
         gpu = env["device"]
         info = {"from_results": [str(p) for p in from_results]}
-        seeds = sorted({seed for e in envs for seed in e.get("seeds", [])})
+        seeds = sorted(set(measured_seeds(files)))
         if seeds:   # the trace seeds measured, which evaluate then refuses as held out
             info["seeds"] = seeds
         fitted = env.get("shape")   # files without it were measured at the default shape
@@ -149,9 +169,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
                 "candidates": [b.name for b in built], "functional_only": functional}
         # the measurements themselves, beside the policy: `--from-results` refits from them
         env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
-        env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
-                        "head_dim": shape.head_dim, "page_size": shape.page_size,
-                        "kv_fp8": shape.kv_fp8}
+        env["shape"] = shape.record()   # dtype and layout too: a refit compares them
         env["seeds"] = list(seeds)
         fitted = shape
         summary = [r for m in measured for r in summarize(m, ceiling_tbps=None)]
@@ -235,7 +253,7 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
     env.update(bandwidth_ceiling(device), bare_launch_us=bare_launch_us(device),
                policy={"gpu": policy.gpu, "shape": policy.shape, "fit": policy.fit},
-               seeds=list(seeds))
+               seeds=list(seeds), shape=shape.record())
     measured = []
     for name, trace in _traces(POLICY_TRACES, seeds, functional):
         print(f"evaluating on {name}", flush=True)

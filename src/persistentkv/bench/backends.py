@@ -113,10 +113,17 @@ class Backend:
         read the device: call it outside timed code."""
         return ""
 
+    def allocate_outputs(self, step: StepInputs) -> None:
+        """self.outs, an output per layer, allocated when the step changes: planning a step
+        again allocates nothing, in every backend alike (an allocation per plan was timed in
+        FlashInfer's eager steps only)."""
+        if self.__dict__.get("outs_step") is not step or self.__dict__.get("outs") is None:
+            self.outs_step, self.outs = step, [torch.empty_like(q) for q in step.queries]
+
     def release(self) -> None:
         """Drop what plan() kept of the last step (which holds every layer's pool): called
         between traces, so that one trace's cache is freed before the next is allocated."""
-        for attr in ("step", "outs", "static", "index", "mask", "rows"):
+        for attr in ("step", "outs", "outs_step", "static", "index", "mask", "rows"):
             if attr in self.__dict__:
                 setattr(self, attr, None)
 
@@ -154,8 +161,8 @@ class PersistentKV(Backend):
                                                    head_dim=step.head_dim,
                                                    num_kv_heads=step.num_kv_heads)
         config = self._configs[shape]
-        if step is not self.step:        # no allocation when the step is planned again
-            self.step, self.outs = step, [torch.empty_like(q) for q in step.queries]
+        self.step = step
+        self.allocate_outputs(step)
         self.wrapper.plan(kv_indptr=step.kv_indptr, kv_indices=step.kv_indices,
                           kv_last_page_len=step.kv_last_page_len, num_qo_heads=step.num_qo_heads,
                           num_kv_heads=step.num_kv_heads, head_dim=step.head_dim,
@@ -208,7 +215,7 @@ class FlashInferWrapper(Backend):
         self.wrapper.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, step.num_qo_heads,
                           step.num_kv_heads, step.head_dim, step.page_size, q_data_type=dtype,
                           kv_data_type=step.pools[0].dtype, **_fi_variants(step))
-        self.outs = [torch.empty_like(q) for q in step.queries]
+        self.allocate_outputs(step)
 
     def run(self, layer: int) -> torch.Tensor:
         fp8 = {} if self.step.kv_fp8 is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
@@ -251,7 +258,7 @@ class FlashInferXQA(Backend):
         self.step = step
         self.k_scale, self.v_scale = step.per_tensor_scales(self.name)
         self.max_seq_len = max(step.seq_lens_host, default=0)
-        self.outs = [torch.empty_like(q) for q in step.queries]
+        self.allocate_outputs(step)
 
     def run(self, layer: int) -> torch.Tensor:
         s = self.step
@@ -302,7 +309,7 @@ class FlashInferPrefill(Backend):
                           step.kv_last_page_len, step.num_qo_heads, step.num_kv_heads,
                           step.head_dim, step.page_size, causal=True, q_data_type=dtype,
                           kv_data_type=dtype, **_fi_variants(step))
-        self.outs = [torch.empty_like(q) for q in step.queries]
+        self.allocate_outputs(step)
 
     def run(self, layer: int) -> torch.Tensor:
         return self.wrapper.run(self.step.queries[layer], self.step.pools[layer], out=self.outs[layer])

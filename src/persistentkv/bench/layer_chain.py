@@ -259,9 +259,7 @@ def run_layer_chain(*, device: torch.device, shape: ModelShape, batch: int = 8,
                      for i, t in enumerate(ts))
 
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
-    env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
-                    "head_dim": shape.head_dim, "hidden": hidden, "page_size": shape.page_size,
-                    "dtype": str(shape.dtype).replace("torch.", ""), "layout": shape.layout}
+    env["shape"] = {**shape.record(), "hidden": hidden}
     env["options"] = {"batch": batch, "context": context, "layers": layers, "replays": replays,
                       "seed": seed, "plan": "captured in the step's graph, once per step",
                       "timing": "eager, perf_counter" if functional else

@@ -33,9 +33,21 @@ class StepTiming:
 
 
 def kv_bytes_per_layer(step: StepInputs) -> int:
+    """Bytes of K/V (and per-token scales) a layer must read: each row's tokens its queries see
+    (under a sliding window, the last window_left + queries of them)."""
     elem = step.pools[0].element_size()
     scales = 4 if step.kv_fp8 == "token" else 0              # an fp8 cache's per-token scales
-    return sum(step.seq_lens_host) * step.num_kv_heads * (step.head_dim * elem + scales) * 2
+    return read_tokens(step) * step.num_kv_heads * (step.head_dim * elem + scales) * 2
+
+
+def read_tokens(step: StepInputs) -> int:
+    """Tokens a layer's queries see, summed over the rows."""
+    lens = step.seq_lens_host
+    if step.window_left < 0:
+        return sum(lens)
+    counts = ([1] * len(lens) if step.qo_indptr is None
+              else torch.diff(step.qo_indptr).tolist())
+    return sum(min(n, step.window_left + c) for n, c in zip(lens, counts))
 
 
 def reference_output(step: StepInputs) -> torch.Tensor:

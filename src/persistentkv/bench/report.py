@@ -9,6 +9,7 @@ from .results import FI_BEST, check_out_dir
 
 
 RESULTS_KEYS = ("summary", "steps", "environment")
+STEP_KEYS = ("backend", "case", "status", "graph_us", "kv_bytes", "tokens", "rows")
 
 
 def load_results(path: Path) -> dict:
@@ -21,6 +22,13 @@ def load_results(path: Path) -> dict:
     if missing:
         raise ValueError(f"{str(path)!r} is not a results file of `persistentkv bench`: it has "
                          f"no {', '.join(repr(k) for k in missing)}")
+    steps = data["steps"] if isinstance(data["steps"], list) else [None]
+    bad = next((s for s in steps if not isinstance(s, dict)
+                or any(k not in s for k in STEP_KEYS)), None)
+    if steps and bad is not None:   # (layer-chain and sweep files have other steps)
+        keys = sorted(bad) if isinstance(bad, dict) else bad
+        raise ValueError(f"{str(path)!r} is not a results file of `persistentkv bench`: its steps "
+                         f"need {', '.join(STEP_KEYS)}; one has {keys}")
     return data
 
 

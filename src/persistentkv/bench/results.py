@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def environment(device: torch.device, *, command: list[str], functional: bool) -
 
     env = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(command),
+        "command": shlex.join(command),   # quoted: it runs again as written
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -60,11 +60,22 @@ class ModelShape:
             fields = {**heads, **{k: v for k, v in fields.items() if v is not None}}
         return cls(**{k: v for k, v in fields.items() if v is not None})
 
+    def record(self) -> dict:
+        """The shape as results files record it (environment["shape"])."""
+        return {"num_qo_heads": self.num_qo_heads, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "page_size": self.page_size,
+                "dtype": str(self.dtype).replace("torch.", ""), "layout": self.layout,
+                "kv_fp8": self.kv_fp8}
+
     def bytes_per_token(self) -> int:
         """K and V bytes of one token (an fp8 cache's per-token scales included)."""
         if self.kv_fp8 is None:
             return self.num_kv_heads * self.head_dim * 2 * torch.tensor([], dtype=self.dtype).element_size()
         return self.num_kv_heads * 2 * (self.head_dim + (4 if self.kv_fp8 == "token" else 0))
+
+
+L2_ROTATION_BYTES = 256e6   # K/V a step reads across its layers: several L2s (50-60 MB)
+MAX_ROTATION_LAYERS = 1024  # ... in at most this many layers
 
 
 @dataclass
@@ -80,6 +91,7 @@ class RunOptions:
     window_left: int = -1           # attention variants of every step: a sliding window,
     logits_soft_cap: float = 0.0    # soft-capped scores,
     sinks: bool = False             # a sink logit per head (drawn per layer)
+    rotate_l2: bool = True          # more layers where `layers` of a step fit in the L2
 
     def __post_init__(self):
         for name in ("layers", "samples", "eager_reps", "check_every"):
@@ -135,17 +147,26 @@ def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, R
     the CPU interpreter (timings mean nothing)."""
     return (dataclasses.replace(shape, num_qo_heads=8, num_kv_heads=2, head_dim=64),
             dataclasses.replace(opts, layers=2, samples=2, eager_reps=1, graph_reps=0,
-                                check_every=1))
+                                check_every=1, rotate_l2=False))
 
 
-def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions) -> int:
-    """Layers (at most opts.layers) whose pools of num_pages pages fit the memory budget; a
-    ValueError when not even one does."""
-    per_layer = num_pages * shape.page_size * shape.bytes_per_token()
+def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions, *,
+                    read_tokens: int | None = None) -> int:
+    """Layers whose pools of num_pages pages fit the memory budget: opts.layers, or with
+    opts.rotate_l2 more where a step's K/V (read_tokens a layer; default the pool's) across them
+    is under L2_ROTATION_BYTES, so that every layer's reads come from HBM, not the L2 (at most
+    MAX_ROTATION_LAYERS). A ValueError when not even one layer fits."""
+    per_token = shape.bytes_per_token()
+    per_layer = num_pages * shape.page_size * per_token
     if per_layer > opts.memory_budget_gb * 1e9:
         raise ValueError(f"one layer's pool of {num_pages} pages needs {per_layer / 1e9:.1f} GB, "
                          f"over the memory budget of {opts.memory_budget_gb:g} GB (--memory-gb)")
-    return min(opts.layers, int(opts.memory_budget_gb * 1e9 // per_layer))
+    layers = opts.layers
+    if opts.rotate_l2:
+        read = max(1, (num_pages * shape.page_size if read_tokens is None else read_tokens)
+                   * per_token)
+        layers = max(layers, min(MAX_ROTATION_LAYERS, math.ceil(L2_ROTATION_BYTES / read)))
+    return min(layers, int(opts.memory_budget_gb * 1e9 // per_layer))
 
 
 def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.device,
@@ -209,6 +230,19 @@ def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts:
     return results
 
 
+def _random_v_again(cache: PagedKVCache, pages: list[int]) -> None:
+    """HND_VT gives pages back with V zeroed (its contract): the next request on them would read
+    zeros, and its reference check pass on zeros. V takes the pages' own random K (and K's
+    per-token scales); the other layouts keep their random V."""
+    if cache.layout != "HND_VT" or not pages:
+        return
+    p = torch.tensor(pages, dtype=torch.int64, device=cache.device)
+    for layer, pool in enumerate(cache.pools):
+        pool[p, 1] = pool[p, 0]
+        if cache.kv_scales is not None:
+            cache.kv_scales[layer][p, 1] = cache.kv_scales[layer][p, 0]
+
+
 def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelShape,
               opts: RunOptions, device: torch.device, progress=None) -> Measured:
     """Replay `trace`; measure `opts.samples` steps spread evenly over it."""
@@ -239,7 +273,9 @@ def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelS
             if progress is not None:
                 progress()
         for req in step.finished:
+            freed = list(cache.allocator.sequence(req).pages)
             cache.free_sequence(req)
+            _random_v_again(cache, freed)
     release(backends, device)
     del cache
     return measured
@@ -257,7 +293,9 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
                opts: RunOptions, device: torch.device) -> Measured:
     """One static batch (a grid cell or a fixed mix), measured like a trace step."""
     num_pages = sum(-(-n // shape.page_size) for n in seq_lens) + 1
-    layers = layers_that_fit(shape, num_pages, opts)
+    read = (sum(seq_lens) if opts.window_left < 0
+            else sum(min(n, opts.window_left + 1) for n in seq_lens))   # (one query a row)
+    layers = layers_that_fit(shape, num_pages, opts, read_tokens=read)
     cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
     for i, n in enumerate(seq_lens):
         cache.add_sequence(i)

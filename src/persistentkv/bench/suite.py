@@ -100,15 +100,15 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
     for name, why in skipped.items():
         print(f"skipping {name}: {why}")
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
-    env["shape"] = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
-                    "head_dim": shape.head_dim, "page_size": shape.page_size,
-                    "dtype": str(shape.dtype).replace("torch.", ""), "layout": shape.layout,
-                    "kv_fp8": shape.kv_fp8}
+    env["shape"] = shape.record()
     env["options"] = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
     env.update(bandwidth_ceiling(device))
     env["bare_launch_us"] = bare_launch_us(device)
 
     cases: list[tuple[str, object]] = []
+    if functional and (cells or traces):
+        print(f"No GPU: the functional cases run, not {'--cells' if cells else '--traces'} "
+              f"{','.join(cells or traces)} (their sizes are for a GPU)")
     if grid and not functional:
         cases = list(grid_cases(cells))
     elif grid:

@@ -15,14 +15,14 @@ from ..wrapper import BACKENDS
 from .backends import PersistentKV
 from .measure import graph_time_per_layer, kv_bytes_per_layer, reference_output
 from .results import environment, results_json
-from .runner import ModelShape, RunOptions, layers_that_fit, make_cache, step_inputs
+from .runner import (L2_ROTATION_BYTES, ModelShape, RunOptions, layers_that_fit, make_cache,
+                     step_inputs)
 from ..reference import TOLERANCE, relative_error
 
 SWEEP_CELLS = {"B1 L1K": [1024], "B1 L8K": [8192], "B1 L32K": [32768], "B4 L1K": [1024] * 4,
                "B8 L1K": [1024] * 8, "B8 L8K": [8192] * 8, "B32 L8K": [8192] * 32,
                "B128 L1K": [1024] * 128, "B8 zipf": [259, 2040, 917, 24851, 2345, 270, 264, 372],
                "B128 L8K": [8192] * 128, "B32 L32K": [32768] * 32, "B8 L128K": [131072] * 8}
-L2_ROTATION_BYTES = 256e6   # enough layers that one step's KV across them is several L2s (60 MB)
 
 
 def config_grid(spec: dict[str, list]) -> list[tuple[str, KernelConfig]]:
@@ -66,7 +66,7 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
         per_layer = sum(lens) * shape.bytes_per_token()
         layers = min(64, max(4, math.ceil(L2_ROTATION_BYTES / per_layer)))
         num_pages = sum(-(-n // shape.page_size) for n in lens) + 1
-        opts = RunOptions(layers=layers)
+        opts = RunOptions(layers=layers, rotate_l2=False)   # its own rotation, above
         layers = layers_that_fit(shape, num_pages, opts)
         cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=0)
         for i, n in enumerate(lens):
