@@ -324,3 +324,19 @@ def test_grid_cells_name_uniform_batches_off_the_grid():
     for name in ("B0 L1K", "B16 L2k", "B5000 L1K", "B2 L4096K", "B16 L02K", "B8 L1024K"):
         with pytest.raises(ValueError, match=re.escape(f"unknown grid cell(s) [{name!r}]")):
             grid_cases([name])
+
+
+def test_evaluate_judges_the_policy_plan_takes(monkeypatch, tmp_path):
+    """On an fp8 cache plan() takes the policy fitted on fp8 steps first: evaluate --kv-fp8 asks
+    for that one too (it judged the fp16 one)."""
+    import persistentkv.bench.adaptive as adaptive
+    import persistentkv.policy as policy_module
+
+    asked = []
+    real = policy_module.load_policy
+    monkeypatch.setattr(policy_module, "load_policy",
+                        lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(adaptive, "run_evaluate", lambda **kw: None)
+    assert main(["evaluate", "--kv-fp8", "token", "--out", str(tmp_path)]) == 0
+    assert main(["evaluate", "--out", str(tmp_path)]) == 0
+    assert [kw["kv_fp8"] for kw in asked] == [True, False]

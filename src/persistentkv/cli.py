@@ -195,8 +195,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     shapes = model_shapes(args)
     seeds = _ints("--seeds", args.seeds, minimum=0)
     for preset, shape in shapes:
-        policy = load_policy(name, args.policy,
-                             shape=(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim))
+        policy = load_policy(name, args.policy,   # as plan() picks it (an fp8 cache's first)
+                             shape=(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim),
+                             kv_fp8=shape.kv_fp8 is not None)
         run_evaluate(device=torch.device(device), policy=policy, seeds=seeds,
                      backends=args.backends.split(","), shape=shape,
                      opts=RunOptions(layers=args.layers, samples=args.samples,
