@@ -76,8 +76,8 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
         ref = reference_output(step)
         for backend, cfg in candidates:
             b = PersistentKV(backend, layout=shape.layout, config=cfg)
-            b.plan(step)
             try:
+                b.plan(step)
                 err = relative_error(b.run(0), ref)
             except Exception as exc:  # noqa: BLE001 - a configuration that does not fit is a row
                 rows.append({"cell": cell, "backend": backend, **cfg.__dict__, "us": math.nan,
@@ -87,11 +87,15 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
             rows.append({"cell": cell, "backend": backend, **cfg.__dict__, "us": us, "error": err,
                          "split_tokens": b.wrapper.current_plan.info()["split_tokens"],
                          "tbps": kv_bytes_per_layer(step) / us / 1e6 if us == us else math.nan})
-        best = min((r for r in rows if r["cell"] == cell and r["us"] == r["us"]), key=lambda r: r["us"])
-        print(f"{cell:<9} best {best['us']:7.1f} us ({best['tbps']:.2f} TB/s): {best['backend']} "
-              f"block_n={best['block_n']} warps={best['num_warps']} stages={best['num_stages']} "
-              f"waves={best['waves']} min_split={best['min_split_tokens']} split={best['split_tokens']}",
-              flush=True)
+        timed = [r for r in rows if r["cell"] == cell and r["us"] == r["us"]]
+        if timed:
+            best = min(timed, key=lambda r: r["us"])
+            print(f"{cell:<9} best {best['us']:7.1f} us ({best['tbps']:.2f} TB/s): "
+                  f"{best['backend']} block_n={best['block_n']} warps={best['num_warps']} "
+                  f"stages={best['num_stages']} waves={best['waves']} "
+                  f"min_split={best['min_split_tokens']} split={best['split_tokens']}", flush=True)
+        else:   # every configuration failed here: the rows' notes say why; the cells go on
+            print(f"{cell:<9} no configuration ran (see the rows' notes)", flush=True)
         del cache, step
         torch.cuda.empty_cache()
     # the single configuration with the best geometric mean over the cells
@@ -105,6 +109,7 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
         print(f"geomean {gm:7.2f} us: {k}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=False)
+    env["shape"] = shape.record()
     out_path.write_text(results_json({"environment": env, "rows": rows,
                                       "ranked": [(gm, list(k)) for gm, k in ranked]}))
     return rows
