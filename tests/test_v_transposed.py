@@ -140,6 +140,10 @@ def test_bad_caches_are_refused():
                      layout="HND_VT", device=DEVICE)
     case = make_case(seq_lens=[40], **HEADS, page_size=16, layout="HND_VT", seed=4)
     wrapper = DecodeWrapper("HND_VT")
+    with pytest.raises(ValueError, match="HND_VT layout takes a page_size that is a power of two, "
+                                         "got 3"):   # at plan(), not first at run()
+        wrapper.plan(**csr_kwargs(make_case(seq_lens=[40], **HEADS, page_size=3).table),
+                     **HEADS, page_size=3)
     wrapper.plan(**csr_kwargs(case.table), **HEADS, page_size=16)
     pool = torch.randn(case.kv_cache.shape[0], 2, 2, 16, 64, dtype=torch.float16,
                        device=DEVICE)[..., :32]                   # blocks of 16 x 32, not dense

@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from .cache import check_layout
+from .cache import check_layout, check_v_transposed_page
 from .checks import check_attention_shape, check_device, check_fp32_scale, check_positive_int
 from .launch import LOG2_E, DecodeLauncher
 from .page_inputs import page_table_args
@@ -192,6 +192,7 @@ class DecodeWrapper:
             key, options = None, None
         if options is None:
             options = _plan_options(*raw)
+            check_v_transposed_page(self.kv_layout, options.page_size)   # as run() would
             if len(self._options) > 64:
                 self._options.clear()
             if key is not None:
