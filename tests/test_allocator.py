@@ -144,7 +144,8 @@ def test_undo_append_checks_before_it_changes_anything():
                           (dict(num_tokens="a", pages_before=0), TypeError),
                           (dict(num_tokens=10, pages_before=0), ValueError),
                           (dict(num_tokens=1, pages_before=3), ValueError),
-                          (dict(num_tokens=1, pages_before=0), ValueError)):   # 2 tokens left
+                          (dict(num_tokens=1, pages_before=0), ValueError),    # 2 tokens left
+                          (dict(num_tokens=3, pages_before=2), ValueError)):   # 0 tokens, 2 pages
         with pytest.raises(error):
             alloc.undo_append("s", **kwargs)
         assert (alloc.free_pages, alloc.sequence("s").pages, alloc.sequence("s").length) == before

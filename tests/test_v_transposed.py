@@ -149,3 +149,46 @@ def test_bad_caches_are_refused():
                        device=DEVICE)[..., :32]                   # blocks of 16 x 32, not dense
     with pytest.raises(ValueError, match=r"HND_VT cache's \(page, head\) blocks must be dense"):
         wrapper.run(case.q, pool)
+
+
+@pytest.mark.parametrize("dtype, kv_scale", [(torch.float16, "tensor"), (FP8, "token")])
+def test_a_failed_give_back_or_append_changes_nothing(dtype, kv_scale, monkeypatch):
+    """free_sequence makes V's zeros before it gives the pages back (a failure there gave them
+    back with their non-finite V); an append whose conversion fails on a later layer writes no
+    layer (the first layer's rows and scales were written)."""
+    extra = dict(kv_scale=kv_scale) if dtype == FP8 else {}
+    cache = PagedKVCache(num_layers=2, num_pages=2, page_size=4, num_kv_heads=2, head_dim=32,
+                         dtype=dtype, layout="HND_VT", device=DEVICE, **extra)
+    k = torch.randn(2, 3, 2, 32, dtype=torch.float16)
+    v = torch.full_like(k, float("inf")) if dtype == torch.float16 else torch.randn_like(k)
+    cache.add_sequence("a")
+    cache.append("a", k, v)
+    before = ([p.clone() for p in cache.pools], cache.allocator.free_pages,
+              None if cache.kv_scales is None else [s.clone() for s in cache.kv_scales])
+
+    def unchanged():
+        return (all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    for a, b in zip(before[0], cache.pools))
+                and cache.allocator.free_pages == before[1] and cache.seq_len("a") == 3
+                and (before[2] is None or all(torch.equal(a, b)
+                                              for a, b in zip(before[2], cache.kv_scales))))
+    zeros = cache._v_zeros
+    monkeypatch.setattr(cache, "_v_zeros", lambda pages: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(MemoryError):
+        cache.free_sequence("a")
+    assert unchanged()
+    monkeypatch.setattr(cache, "_v_zeros", zeros)
+    import persistentkv.cache as cache_module
+    calls = []
+    real = cache_module.quantize if dtype == FP8 else None
+
+    def fail_on_layer_1(rows, scale):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("conversion fails on layer 1")
+        return real(rows, scale)
+    if dtype == FP8:
+        monkeypatch.setattr(cache_module, "quantize", fail_on_layer_1)
+        with pytest.raises(RuntimeError, match="layer 1"):
+            cache.append("a", k[:, :1], v[:, :1])
+        assert unchanged()

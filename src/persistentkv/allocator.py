@@ -114,11 +114,13 @@ class PageAllocator:
         seq = self.sequence(seq_id)
         num_tokens = check_count("num_tokens", num_tokens)
         pages_before = check_count("pages_before", pages_before)
+        left = seq.length - num_tokens
         if num_tokens > seq.length or pages_before > len(seq.pages) \
-                or seq.length - num_tokens > pages_before * self.page_size:
+                or pages_before != -(-left // self.page_size):
             raise ValueError(f"sequence {seq_id!r} holds {seq.length} tokens on {len(seq.pages)} "
                              f"pages: it cannot take back num_tokens={num_tokens} to "
-                             f"pages_before={pages_before} (its tokens left must fit them)")
+                             f"pages_before={pages_before} (its tokens left must fill them: "
+                             f"{-(-max(left, 0) // self.page_size)} pages)")
         while len(seq.pages) > pages_before:
             self._free.append(seq.pages.pop())
         seq.length -= num_tokens

@@ -133,8 +133,9 @@ class PagedKVCache:
 
     def free_sequence(self, seq_id: object) -> None:
         pages = list(self.allocator.sequence(seq_id).pages)
+        zeros = self._v_zeros(pages)     # first: what can fail (memory) fails before any change
         self.allocator.free(seq_id)
-        self._clear_v(pages)
+        self._clear_v(pages, zeros)
 
     def seq_len(self, seq_id: object) -> int:
         return self.allocator.sequence(seq_id).length
@@ -167,8 +168,10 @@ class PagedKVCache:
             self._write(pages, slots, k, v)
         except BaseException:
             taken = self.allocator.sequence(seq_id).pages[pages_before:]
-            self._clear_v(taken)
-            self.allocator.undo_append(seq_id, n, pages_before=pages_before)
+            try:
+                self._clear_v(taken, self._v_zeros(taken))
+            finally:
+                self.allocator.undo_append(seq_id, n, pages_before=pages_before)
             raise
 
     def append_tokens(self, seq_id: object, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -223,35 +226,48 @@ class PagedKVCache:
         return k.detach().to(self.device), v.detach().to(self.device)   # no autograd graph kept
 
     def _write(self, pages: np.ndarray, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer's rows converted (quantized, with their scales) first, then written: a
+        failure while converting writes nothing."""
         if len(pages) == 0:
             return
         p = torch.from_numpy(np.asarray(pages, dtype=np.int64)).to(self.device)
         s = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)
-        for layer, pool in enumerate(self.pools):
+        converted = []
+        for layer in range(len(self.pools)):
             for kv, src in ((0, k), (1, v)):
-                rows = src[layer]                                        # [n, Hkv, D]
+                rows, scale = src[layer], None                           # [n, Hkv, D]
                 if self.kv_scales is not None:                           # fp8, per token
                     scale = row_scales(rows)                             # [n, Hkv]
-                    self.kv_scales[layer][p, kv, :, s] = scale
                     rows = quantize(rows, scale[..., None])
                 elif self.fp8:
                     rows = quantize(rows, self.k_scale if kv == 0 else self.v_scale)
-                if self.layout == "NHD":
-                    pool[p, kv, s] = rows
-                elif self.layout == "HND" or kv == 0:
-                    pool[p, kv, :, s] = rows
-                else:                                                    # HND_VT's V
-                    v_transposed(pool)[p, :, :, s] = rows
+                converted.append((layer, kv, rows, scale))
+        for layer, kv, rows, scale in converted:
+            pool = self.pools[layer]
+            if scale is not None:
+                self.kv_scales[layer][p, kv, :, s] = scale
+            if self.layout == "NHD":
+                pool[p, kv, s] = rows
+            elif self.layout == "HND" or kv == 0:
+                pool[p, kv, :, s] = rows
+            else:                                                        # HND_VT's V
+                v_transposed(pool)[p, :, :, s] = rows
 
-    def _clear_v(self, pages: list[int]) -> None:
+    def _v_zeros(self, pages: list[int]) -> torch.Tensor | None:
+        """What _clear_v writes into `pages` (None where nothing is cleared), made before any
+        change: [pages, ...] zeros in the pools' dtype."""
+        if self.layout != "HND_VT" or not pages:
+            return None
+        return torch.zeros((len(pages), *self.pools[0].shape[2:]), dtype=self.pools[0].dtype,
+                           device=self.device)   # every layer's pool has one shape
+
+    def _clear_v(self, pages: list[int], zeros: torch.Tensor | None) -> None:
         """HND_VT: V of `pages` back to zeros (per-token scales 1) in every layer, the state its
         contract asks of a page that no sequence holds (the module's docstring); other layouts
-        mask the slots past a row's length and need nothing."""
-        if self.layout != "HND_VT" or not pages:
+        mask the slots past a row's length and need nothing (zeros: _v_zeros(pages))."""
+        if zeros is None:
             return
         p = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        shape = (len(pages), *self.pools[0].shape[2:])   # every layer's pool has one shape
-        zeros = torch.zeros(shape, device=self.device).to(self.pools[0].dtype)   # as _write's rows
         for layer, pool in enumerate(self.pools):
             pool[p, 1] = zeros
             if self.kv_scales is not None:
