@@ -135,8 +135,9 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
                          f"got {list(lse.shape)} on {lse.device}")
     if sinks is not None:
         check_sinks(sinks, num_qo_heads=o.shape[1], device=o.device)
-    lse = lse.float()   # a rank without tokens of a row (lse -inf) adds 0, whatever its o holds
-    o32 = torch.where(torch.isneginf(lse)[..., None], 0.0, o.float())
+    # contiguous, as collectives take them (NCCL's refuse strided views; o or lse may be one)
+    lse = lse.float().contiguous()   # a rank without tokens of a row (lse -inf) adds 0
+    o32 = torch.where(torch.isneginf(lse)[..., None], 0.0, o.float()).contiguous()
     if method == "all_gather":
         world = dist.get_world_size(group)
         os_, lses = [torch.empty_like(o32) for _ in range(world)], [torch.empty_like(lse)
@@ -150,7 +151,7 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
         total = w.sum(dim=0)
         out = (w[..., None] * o_all).sum(dim=0) / total.clamp_min(1e-30)[..., None]
     else:
-        top = lse.clone()
+        top = lse.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         w = torch.exp(lse - top)
