@@ -1,7 +1,8 @@
 """An fp8 (e4m3) KV cache: quantization on append, the scales' two granularities, their checks.
 
-Per tensor: one k_scale and one v_scale per layer (vLLM's and FlashInfer's convention); a stored
-value x8 stands for scale * x8. Per token: one scale per token and KV head for its K row and one
+Per tensor: one k_scale and one v_scale a layer (vLLM's and FlashInfer's convention: run() takes
+each layer's; PagedKVCache keeps one pair for all its layers); a stored value x8 stands for
+scale * x8. Per token: one scale per token and KV head for its K row and one
 for its V row, kept beside the pool as fp32 [pages, 2, Hkv, page_size] (index 0 of dim 1: K),
 each the row's amax / 448, so that a token appended alone never saturates and never rescales the
 tokens before it. Quantization saturates: a value beyond the scale's range becomes +-448 x scale,
