@@ -278,8 +278,9 @@ def test_a_split_past_int32_tokens_keeps_rows_whole():
 
 
 def test_shipped_policies_name_their_shape_and_page_size():
-    """Every shipped file loads, applies at the shape its name gives, and counts its splits in
-    16-token pages (the calibration's default)."""
+    """Every shipped file loads, applies at the shape its name gives, counts its splits in
+    16-token pages (the calibration's default) and records the trace seeds it was fitted on, so
+    that evaluate refuses them (the 28/4/128 file, refitted from results, had none)."""
     from importlib import resources
 
     files = sorted(p for p in (resources.files("persistentkv") / "policies").iterdir()
@@ -290,6 +291,7 @@ def test_shipped_policies_name_their_shape_and_page_size():
         assert policy.page_size == 16, f.name
         assert f.name == policy_file_name(policy.gpu, policy.shape,
                                           kv_fp8=f.name.endswith("-fp8.json")), f.name
+        assert policy.fit.get("seeds"), f.name
 
 
 def test_partials_are_sized_by_the_bins_each_choice_decides():
