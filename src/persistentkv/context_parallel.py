@@ -151,7 +151,7 @@ def merge_across_ranks(o: torch.Tensor, lse: torch.Tensor, *, group=None,
         total = w.sum(dim=0)
         out = (w[..., None] * o_all).sum(dim=0) / total.clamp_min(1e-30)[..., None]
     else:
-        top = lse.clone(memory_format=torch.contiguous_format)
+        top = lse.clone()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
         w = torch.exp(lse - top)

@@ -140,11 +140,10 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     if from_results:
         files = read_measurements(from_results)
         measured = measured_from_results(from_results, files)
-        envs = [f["environment"] for f in files]
-        env = envs[0]
+        env = files[0]["environment"]
         gpu = env["device"]
         info = {"from_results": [str(p) for p in from_results]}
-        seeds = sorted(set(measured_seeds(files)))
+        seeds = measured_seeds(files)
         if seeds:   # the trace seeds measured, which evaluate then refuses as held out
             info["seeds"] = seeds
         fitted = env.get("shape")   # files without it were measured at the default shape
