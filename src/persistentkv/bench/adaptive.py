@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 from collections import Counter
 from pathlib import Path
@@ -187,7 +188,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     policy = fit_policy(steps, gpu=gpu, objective=objective,
                         shape=(fitted.num_qo_heads, fitted.num_kv_heads, fitted.head_dim),
                         page_size=fitted.page_size,
-                        info={**info, "command": " ".join(["persistentkv", *sys.argv[1:]])})
+                        info={**info, "command": shlex.join(["persistentkv", *sys.argv[1:]])})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(out_path)
     for key, choice in sorted(policy.table.items()):
