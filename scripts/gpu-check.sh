@@ -4,19 +4,21 @@
 # FlashInfer (with graph mode), the policy's calibration and held-out evaluation, the fixed-cost
 # probe and a configuration sweep. Results go to results/<gpu>/ (override with OUT_DIR); logs
 # beside them. Run from the repository root, steps in the order given:
-#   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|calibrate|evaluate|probe|dispatch|sweep|
-#                                        presets|judge|pages|pdl|d256|d512|qtiles|smallcells|
-#                                        longsplit|fp8vt|firstgraph|qsplits|tp8tiles|stepparts|
-#                                        benchorder|graphdump|graphshare|heldgraphs|qgrids|
-#                                        longtiles|tp8long|gemma2window|q16floor|tp8small|mblocks|
-#                                        mixwaves|d256chunks|tp8b128|wholerows|abtree|
-#                                        padrows|widepad|d256regs|d512q|capregs|policycost|
-#                                        mblockcross|smallstep|smallsweep|d512cross|largerows|
-#                                        e2e ...]
+#   PYTHONPATH=src scripts/gpu-check.sh [tests|sanitize|grid|shapes|calibrate|evaluate|probe|
+#                                        dispatch|sweep|presets|judge|pages|pdl|d256|d512|
+#                                        qtiles|smallcells|longsplit|fp8vt|firstgraph|qsplits|
+#                                        tp8tiles|stepparts|benchorder|graphdump|graphshare|
+#                                        heldgraphs|qgrids|longtiles|tp8long|gemma2window|
+#                                        q16floor|tp8small|mblocks|mixwaves|d256chunks|tp8b128|
+#                                        wholerows|abtree|padrows|widepad|d256regs|d512q|
+#                                        capregs|policycost|mblockcross|smallstep|smallsweep|
+#                                        d512cross|largerows|valueblocks|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
-# an H200, most of it Triton's compiles). presets: a
+# an H200, most of it Triton's compiles). shapes: the grid at each preset of $PRESETS against
+# FlashInfer's three decode entries (default all nine, the one- and two-KV-head ones first;
+# results/<gpu>/shapes/ is the matrix's format). presets: a
 # policy per preset of $PRESETS (default the shapes without a shipped one), fitted and judged on
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
@@ -118,9 +120,9 @@ for step in $steps; do
                  timeout 560 python3 -m pytest -q -p no:cacheprovider $g > "$out/pytest-part$i.txt" 2>&1 &
                done
                wait
-               cat "$out"/pytest-part*.txt > "$out/pytest-h200.txt"; rm -f "$out"/pytest-part*.txt
-               sed -i 's#[^ ]*/site-packages/#<site-packages>/#g' "$out/pytest-h200.txt"
-               grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest-h200.txt" | tail -12 ;;
+               cat "$out"/pytest-part*.txt > "$out/pytest-$gpu.txt"; rm -f "$out"/pytest-part*.txt
+               sed -i 's#[^ ]*/site-packages/#<site-packages>/#g' "$out/pytest-$gpu.txt"
+               grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest-$gpu.txt" | tail -12 ;;
     sanitize)  mkdir -p "$out/sanitizer"
                for tool in memcheck racecheck; do
                  timeout 120 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -x \
@@ -130,6 +132,14 @@ for step in $steps; do
                done ;;
     grid)      timeout 200 python3 -m persistentkv.cli bench --grid --backends $backends --out "$out" \
                  > "$out/grid-log.txt" 2>&1; tail -1 "$out/grid-log.txt" ;;
+    shapes)    mkdir -p "$out/shapes"   # the shape matrix: the grid at each preset of $PRESETS
+               for p in ${PRESETS:-llama3-70b-tp8 gpt-oss-tp8 llama3-70b-tp4 qwen2.5-7b llama3-8b \
+                                   gpt-oss llama3-70b qwen3-14b gemma2-9b}; do
+                 timeout 240 python3 -m persistentkv.cli bench --grid --preset $p \
+                   --backends pkv-auto,fi-cuda-core,fi-tensor-core,fi-xqa --out "$out/shapes" \
+                   --tag $p > "$out/shapes/$p-log.txt" 2>&1 || status=1
+                 tail -1 "$out/shapes/$p-log.txt"
+               done ;;
     calibrate) timeout 300 python3 -m persistentkv.cli calibrate --samples 6 --out "$out/policy.json" \
                  > "$out/calibrate-log.txt" 2>&1; tail -1 "$out/calibrate-log.txt" ;;
     evaluate)  policy=()
