@@ -120,6 +120,77 @@ def test_results_json_rounds_floats_and_writes_a_row_a_line():
     assert len(lines) == len(steps) + 12
 
 
+class RefusingBackend(PerSequence):
+    """A library's own refusal, raised by its argument checks in plan()."""
+
+    def __init__(self, name, refusals):
+        super().__init__()
+        self.name, self.refusals = name, refusals
+
+    def plan(self, step):
+        raise ValueError(f"Invalid page_size: {step.page_size}")
+
+
+def test_a_librarys_refusal_is_reported_unsupported_and_other_errors_failed():
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    backends = [RefusingBackend("refuses", (ValueError,)), RefusingBackend("breaks", ()),
+                PerSequence()]
+    measured = run_static("B2", [40, 90], backends, shape=SHAPE, opts=OPTS, device=device)
+    by = {s["backend"]: s for s in measured.steps}
+    assert by["refuses"]["status"] == "unsupported" and "Invalid page_size: 16" in by["refuses"]["note"]
+    assert by["breaks"]["status"] == "failed" and "Invalid page_size" in by["breaks"]["note"]
+    assert by["per-sequence"]["status"] == "ok"
+
+
+class LayerLog(PerSequence):
+    """Right answers; keeps the layers its run() was called with, per plan()."""
+
+    name = "layer-log"
+
+    def plan(self, step):
+        super().plan(step)
+        self.log = getattr(self, "log", []) + [[]]
+
+    def run(self, layer):
+        self.log[-1].append(layer)
+        return super().run(layer)
+
+
+def test_an_eager_step_runs_the_models_layers_rotating_over_the_pools():
+    from persistentkv.bench.measure import measure_step
+    from persistentkv.bench.runner import make_cache, step_inputs
+
+    cache = make_cache(SHAPE, num_pages=20, layers=5, device=torch.device("cpu"), seed=0)
+    for i, n in enumerate([40, 90]):
+        cache.add_sequence(i)
+        cache.append_tokens(i, n)
+    step = step_inputs(cache, [0, 1], SHAPE, torch.Generator().manual_seed(0))
+    backend = LayerLog()
+    timing = measure_step(backend, step, reference=None, eager_reps=3, graph_reps=0,
+                          step_layers=2)
+    assert timing.status == "ok"
+    # the check's plan runs layer 0; then each eager step runs the next 2 of the 5 layers
+    assert backend.log == [[0], [0, 1], [2, 3], [4, 0]]
+
+
+def test_speedups_compare_the_steps_both_sides_measured():
+    base = dict(rows=1, tokens=100, kv_bytes=1000, eager_us=10.0, plan_us=1.0, run_us=1.0,
+                error=0.0, note="")
+    steps = [{"step": i, "backend": "pkv-split", "status": "ok", **base, "graph_us": t}
+             for i, t in enumerate([10.0, 10.0, 40.0, 40.0])]
+    # FlashInfer's one entry as fast, then failing at step 2 and left out of the later steps
+    steps += [{"step": 0, "backend": "fi-xqa", "status": "ok", **base, "graph_us": 10.0},
+              {"step": 1, "backend": "fi-xqa", "status": "ok", **base, "graph_us": 10.0},
+              {"step": 2, "backend": "fi-xqa", "status": "failed", **base, "graph_us": math.nan}]
+    rows = {r["backend"]: r for r in summarize(Measured("t", 1, 4, steps, step_layers=32),
+                                               ceiling_tbps=None)}
+    ours = rows["pkv-split"]
+    assert ours["speedup_graph_vs_fi_best"] == 1.0 and ours["speedup_steps"] == 2
+    assert ours["step_layers"] == 32 and ours["layers"] == 4
+    # tokens/s of a model step of 32 layers, however many layers the pools had
+    assert ours["tokens_per_s_graph"] == pytest.approx(4 / (100.0 * 32) * 1e6)
+
+
 class UncapturableBackend(PerSequence):
     """Right answers, but its run() syncs with the host, which a CUDA graph capture refuses."""
 
@@ -472,6 +543,22 @@ def test_layers_grow_until_a_step_leaves_the_l2():
     assert layers_that_fit(llama, small, opts, read_tokens=4 * 128) == \
         math.ceil(L2_ROTATION_BYTES / (4 * 128 * per_token))       # a window of 127
     assert layers_that_fit(llama, small, RunOptions(rotate_l2=False)) == 32
+
+
+def test_a_traces_layers_let_its_smallest_measured_step_leave_the_l2():
+    """A trace's pools are sized for its peak, but its small steps read far less: the layers are
+    counted from the smallest step it measures, not from the pool."""
+    from persistentkv.bench.runner import L2_ROTATION_BYTES
+
+    trace = make_trace("bucketed", batch_slots=2, num_requests=3, seed=1, buckets=(600, 900),
+                       out_min=2, out_max=4)
+    opts = RunOptions(layers=2, samples=2, eager_reps=1, graph_reps=0, check_every=1)
+    measured = run_trace("t", trace, [PaddedSDPA()], shape=SHAPE, opts=opts,
+                         device=torch.device("cpu"))
+    smallest = min(s["tokens"] for s in measured.steps)
+    assert measured.layers == math.ceil(L2_ROTATION_BYTES / (smallest * SHAPE.bytes_per_token()))
+    assert measured.step_layers == 2
+    assert all(s["status"] == "ok" for s in measured.steps)
 
 
 def test_kv_bytes_count_the_window():

@@ -51,6 +51,7 @@ class StepInputs:
     logits_soft_cap: float = 0.0
     sinks: list[torch.Tensor] | None = None  # per layer float32 [Hq]
     scales: list[dict] = field(default_factory=list)   # per layer: an fp8 cache's run() scales
+    _host_table: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def kv_fp8(self) -> str | None:
@@ -81,6 +82,12 @@ class StepInputs:
         if lacks:
             raise Unsupported(f"{backend} does not take {', '.join(lacks)}")
 
+    def host_page_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_indptr, kv_last_page_len) on the host, copied once per step (outside any timing)."""
+        if self._host_table is None:
+            self._host_table = (self.kv_indptr.cpu(), self.kv_last_page_len.cpu())
+        return self._host_table
+
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_host)
@@ -96,11 +103,14 @@ class Backend:
     capture_plan: plan() is capturable and belongs in the CUDA graph with the runs.
     fp8_error_bound: on an fp8 cache, the error against the reference accepted from a baseline
     that multiplies in e4m3 (None: the dtype's usual bound), reported with its timing.
+    refusals: the exceptions by which the library behind the backend refuses a configuration
+    when the step's first plan() and run() raise them: reported unsupported, not failed.
     """
 
     name = "backend"
     capture_plan = False
     fp8_error_bound: float | None = None
+    refusals: tuple[type[Exception], ...] = ()
 
     def plan(self, step: StepInputs) -> None:
         raise NotImplementedError
@@ -192,8 +202,17 @@ def flashinfer_version() -> str | None:
     return getattr(flashinfer, "__version__", "unknown")
 
 
+# FlashInfer refuses what it does not serve (a page size, a head dim, a group) with these,
+# raised by its argument checks before any kernel runs
+FLASHINFER_REFUSALS = (ValueError, NotImplementedError)
+
+
 class FlashInferWrapper(Backend):
-    """BatchDecodeWithPagedKVCacheWrapper, CUDA-core (tc=False) or tensor-core (tc=True) path."""
+    """BatchDecodeWithPagedKVCacheWrapper, CUDA-core (tc=False) or tensor-core (tc=True) path.
+    Its plan() takes the page table's indptr and last-page lengths from the host, as a server
+    keeps them (given device tensors it copies them back, a synchronization in every plan)."""
+
+    refusals = FLASHINFER_REFUSALS
 
     def __init__(self, *, use_tensor_cores: bool, layout: str, workspace: torch.Tensor):
         import flashinfer
@@ -212,7 +231,8 @@ class FlashInferWrapper(Backend):
         self.step = step
         self.k_scale, self.v_scale = step.per_tensor_scales(self.name)
         dtype = step.queries[0].dtype
-        self.wrapper.plan(step.kv_indptr, step.kv_indices, step.kv_last_page_len, step.num_qo_heads,
+        indptr, last_page_len = step.host_page_table()
+        self.wrapper.plan(indptr, step.kv_indices, last_page_len, step.num_qo_heads,
                           step.num_kv_heads, step.head_dim, step.page_size, q_data_type=dtype,
                           kv_data_type=step.pools[0].dtype, **_fi_variants(step))
         self.allocate_outputs(step)
@@ -236,6 +256,7 @@ class FlashInferXQA(Backend):
     visible, k <= j)."""
 
     name = "fi-xqa"
+    refusals = FLASHINFER_REFUSALS
     # with an fp8 cache XQA's products run in e4m3: on the H200 its output is 3.4-3.8e-2 from
     # the reference on the fp8 values, the size of e4m3's rounding (BENCHMARKS.md v11)
     fp8_error_bound = 0.1
@@ -286,9 +307,11 @@ def _causal_draft_mask(rows: int, q_len: int, device: torch.device) -> torch.Ten
 
 class FlashInferPrefill(Backend):
     """BatchPrefillWithPagedKVCacheWrapper (backend "fa2") with causal=True: FlashInfer's path
-    for several query tokens per row (the row's last ones, the causal mask aligned to the end)."""
+    for several query tokens per row (the row's last ones, the causal mask aligned to the end).
+    Its plan() takes qo_indptr and the page table's indptr and last-page lengths from the host."""
 
     name = "fi-prefill"
+    refusals = FLASHINFER_REFUSALS
 
     def __init__(self, *, layout: str, workspace: torch.Tensor):
         import flashinfer
@@ -305,8 +328,9 @@ class FlashInferPrefill(Backend):
         rows = step.batch_size
         qo_indptr = (torch.arange(rows + 1, dtype=torch.int32) if step.qo_indptr is None
                      else step.qo_indptr)
-        self.wrapper.plan(qo_indptr.to(step.kv_indptr.device), step.kv_indptr, step.kv_indices,
-                          step.kv_last_page_len, step.num_qo_heads, step.num_kv_heads,
+        indptr, last_page_len = step.host_page_table()
+        self.wrapper.plan(qo_indptr, indptr, step.kv_indices, last_page_len,
+                          step.num_qo_heads, step.num_kv_heads,
                           step.head_dim, step.page_size, causal=True, q_data_type=dtype,
                           kv_data_type=dtype, **_fi_variants(step))
         self.allocate_outputs(step)

@@ -21,7 +21,7 @@ class StepTiming:
     rows: int
     tokens: int                   # KV tokens read per layer (sum of seq_lens)
     kv_bytes: int                 # KV bytes read per layer
-    eager_us: float = float("nan")        # host wall: plan + L runs + synchronize, per step
+    eager_us: float = float("nan")        # host wall: plan + M runs + synchronize, per step
     plan_us: float = float("nan")         # host time of plan()
     run_us: float = float("nan")          # host time of one run() (launch only)
     graph_us: float = float("nan")        # device time per layer, CUDA-graph replay of L runs
@@ -66,14 +66,20 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor | None,
-                 eager_reps: int = 3, graph_reps: int = 10) -> StepTiming:
+                 eager_reps: int = 3, graph_reps: int = 10,
+                 step_layers: int | None = None) -> StepTiming:
     """Plan and run `backend` on `step`; check layer 0 against `reference`; time it. The note
     holds what the backend chose for the step (Backend.last_choice), or why it failed.
 
-    On the CPU only the eager host times are taken (the interpreter's timings mean nothing).
+    An eager step is the model's: plan + M = step_layers runs (default all L layers of the step),
+    each repetition over the next M layers of the L, so that the plan's host cost counts once per
+    M layers however many layers the L2 rotation added, and no repetition rereads the last one's
+    K/V from the L2. On the CPU only the eager host times are taken (the interpreter's timings
+    mean nothing).
     """
     device = step.queries[0].device
     layers = len(step.queries)
+    model_layers = min(step_layers or layers, layers)
     result = StepTiming(backend=backend.name, status="ok", rows=step.batch_size,
                         tokens=sum(step.seq_lens_host), kv_bytes=kv_bytes_per_layer(step))
     try:
@@ -81,6 +87,9 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
         out = backend.run(0)
     except Unsupported as exc:
         result.status, result.note = "unsupported", str(exc)
+        return result
+    except backend.refusals as exc:     # its library's own refusal of the configuration
+        result.status, result.note = "unsupported", f"{type(exc).__name__}: {exc}"[:300]
         return result
     except Exception as exc:  # noqa: BLE001 - a backend that breaks is reported, not fatal
         result.status, result.note = "failed", f"{type(exc).__name__}: {exc}"[:300]
@@ -98,18 +107,19 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
         result.note = f"e4m3 products: relative error {result.error:.1e}"
 
     walls, plans, runs = [], [], []
-    for _ in range(eager_reps):
+    for rep in range(eager_reps):
+        order = [(rep * model_layers + i) % layers for i in range(model_layers)]
         _sync(device)
         t0 = time.perf_counter()
         backend.plan(step)
         t1 = time.perf_counter()
-        for layer in range(layers):
+        for layer in order:
             backend.run(layer)
         t2 = time.perf_counter()
         _sync(device)
         t3 = time.perf_counter()
         plans.append((t1 - t0) * 1e6)
-        runs.append((t2 - t1) * 1e6 / layers)
+        runs.append((t2 - t1) * 1e6 / model_layers)
         walls.append((t3 - t0) * 1e6)
     result.eager_us = statistics.median(walls)
     result.plan_us = statistics.median(plans)
@@ -183,12 +193,15 @@ def replay_times(graphs: list[torch.cuda.CUDAGraph], *, reps: int,
                  warmup: int = 2) -> list[list[float]]:
     """Device time (us) of each of `reps` replays of each graph after `warmup` rounds, timed with
     CUDA events around each replay; the graphs take turns, round r starting at graph r mod
-    len(graphs), so that a drift of the clocks falls on all alike."""
+    len(graphs), so that a drift of the clocks falls on all alike. An untimed replay of the same
+    graph runs just before each timed one, so that the GPU is busy while the host submits the
+    timed replay: its start event then marks the end of that replay, not the host's launch."""
     times = [[] for _ in graphs]
     for r in range(warmup + reps):
         for i in range(len(graphs)):
             at = (r + i) % len(graphs)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graphs[at].replay()
             start.record()
             graphs[at].replay()
             end.record()

@@ -65,6 +65,7 @@ def _fi_best_steps(steps: list[dict]) -> list[dict]:
 def summarize(measured: Measured, *, ceiling_tbps: float | None) -> list[dict]:
     """One row per backend (plus FlashInfer's best): throughput, device time, bandwidth, host costs."""
     rows = []
+    step_layers = measured.step_layers or measured.layers
     names = list(dict.fromkeys(s["backend"] for s in measured.steps))
     steps = measured.steps + _fi_best_steps(measured.steps)
     if any(s["backend"] == FI_BEST for s in steps):
@@ -74,33 +75,48 @@ def summarize(measured: Measured, *, ceiling_tbps: float | None) -> list[dict]:
         ok = [s for s in mine if s["status"] == "ok"]
         bad = [s for s in mine if s["status"] != "ok"]
         row = {"case": measured.name, "batch": measured.batch_slots, "layers": measured.layers,
-               "backend": name, "status": bad[0]["status"] if bad else "ok",
+               "step_layers": step_layers, "backend": name, "status": bad[0]["status"] if bad else "ok",
                "note": bad[0]["note"] if bad else (ok[0]["note"] if name == FI_BEST and ok else ""),
                "steps": len(ok)}
         if ok and not bad:
             rows_total = sum(s["rows"] for s in ok)
             eager = sum(s["eager_us"] for s in ok)
-            graph = sum(s["graph_us"] for s in ok) * measured.layers
+            graph_us = sum(s["graph_us"] for s in ok)          # a layer each, summed over steps
             row.update(
                 tokens_per_s_eager=rows_total / eager * 1e6,
-                tokens_per_s_graph=rows_total / graph * 1e6 if graph == graph else math.nan,
+                tokens_per_s_graph=rows_total / (graph_us * step_layers) * 1e6
+                if graph_us == graph_us else math.nan,
                 graph_us_per_layer=statistics.median(s["graph_us"] for s in ok),
                 eager_us_per_step=statistics.median(s["eager_us"] for s in ok),
                 plan_us=statistics.median(s["plan_us"] for s in ok),
                 run_us=statistics.median(s["run_us"] for s in ok),
-                tbps=sum(s["kv_bytes"] for s in ok) / (graph / measured.layers) / 1e6
-                if graph == graph else math.nan,
+                tbps=sum(s["kv_bytes"] for s in ok) / graph_us / 1e6
+                if graph_us == graph_us else math.nan,
                 max_error=max((s["error"] for s in ok if s["error"] == s["error"]), default=math.nan),
             )
             row["fraction_of_ceiling"] = row["tbps"] / ceiling_tbps if ceiling_tbps else math.nan
         rows.append(row)
-    best = {r["case"]: r for r in rows if r["backend"] == FI_BEST and r["status"] == "ok"}
+    best = next((r for r in rows if r["backend"] == FI_BEST and r["status"] == "ok"), None)
+    fi_steps = {s["step"]: s for s in steps if s["backend"] == FI_BEST}
     for r in rows:
-        ref = best.get(r["case"])
-        if ref and r["status"] == "ok":
-            r["speedup_graph_vs_fi_best"] = r["tokens_per_s_graph"] / ref["tokens_per_s_graph"]
-            r["speedup_eager_vs_fi_best"] = r["tokens_per_s_eager"] / ref["tokens_per_s_eager"]
+        if best is not None and r["status"] == "ok":
+            r.update(_speedups([s for s in steps if s["backend"] == r["backend"]], fi_steps))
     return rows
+
+
+def _speedups(mine: list[dict], fi_steps: dict[int, dict]) -> dict:
+    """Tokens/s over FlashInfer's best, graph and eager, over the steps both measured (a
+    FlashInfer entry that failed partway leaves steps without a best)."""
+    common = [s for s in mine if s["step"] in fi_steps]
+    if not common:
+        return {}
+    def ratio(key):
+        return sum(fi_steps[s["step"]][key] for s in common) / sum(s[key] for s in common)
+    out = {"speedup_graph_vs_fi_best": ratio("graph_us"),
+           "speedup_eager_vs_fi_best": ratio("eager_us")}
+    if len(common) < len(mine):
+        out["speedup_steps"] = len(common)
+    return out
 
 
 def run_ceiling(measured_all: list[Measured], measured_read_tbps: float | None) -> float | None:

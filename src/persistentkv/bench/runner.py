@@ -138,8 +138,9 @@ class Measured:
 
     name: str
     batch_slots: int
-    layers: int
+    layers: int                                       # layers the pools have (L2 rotation)
     steps: list[dict] = field(default_factory=list)   # one dict per (step, backend)
+    step_layers: int = 0                              # a model step's layers (0: `layers`)
 
 
 def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, RunOptions]:
@@ -167,6 +168,11 @@ def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions, *,
                    * per_token)
         layers = max(layers, min(MAX_ROTATION_LAYERS, math.ceil(L2_ROTATION_BYTES / read)))
     return min(layers, int(opts.memory_budget_gb * 1e9 // per_layer))
+
+
+def _read_tokens(seq_lens: list[int], window_left: int) -> int:
+    """Tokens a layer reads for rows of these lengths (one query a row; a window's last ones)."""
+    return sum(seq_lens) if window_left < 0 else sum(min(n, window_left + 1) for n in seq_lens)
 
 
 def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.device,
@@ -220,7 +226,7 @@ def measure_all(backends: list[Backend], step: StepInputs, *, check: bool, opts:
         if backend.name in dead:
             continue
         timing = measure_step(backend, step, reference=reference, eager_reps=opts.eager_reps,
-                              graph_reps=0)
+                              graph_reps=0, step_layers=opts.layers)
         results.append(timing)
         if timing.status == "ok" and step.queries[0].is_cuda and opts.graph_reps > 0:
             graphed.append((backend, timing))
@@ -248,12 +254,15 @@ def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelS
     """Replay `trace`; measure `opts.samples` steps spread evenly over it."""
     steps = list(replay(trace))
     num_pages = peak_tokens(trace) // shape.page_size + 2 * trace.batch_slots + 1
-    layers = layers_that_fit(shape, num_pages, opts)
-    cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
     busy = [i for i, s in enumerate(steps) if s.rows]
     chosen = set(np.asarray(busy)[np.linspace(0, len(busy) - 1, min(opts.samples, len(busy)))
                                   .round().astype(int)].tolist()) if busy else set()
-    measured = Measured(name=name, batch_slots=trace.batch_slots, layers=layers)
+    read = min((_read_tokens([n for _, n in steps[i].rows], opts.window_left) for i in chosen),
+               default=None)           # the smallest measured step leaves the L2 too
+    layers = layers_that_fit(shape, num_pages, opts, read_tokens=read)
+    cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
+    measured = Measured(name=name, batch_slots=trace.batch_slots, layers=layers,
+                        step_layers=opts.layers)
     generator = torch.Generator().manual_seed(opts.seed)
     dead: set[str] = set()
     done = 0
@@ -293,9 +302,8 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
                opts: RunOptions, device: torch.device) -> Measured:
     """One static batch (a grid cell or a fixed mix), measured like a trace step."""
     num_pages = sum(-(-n // shape.page_size) for n in seq_lens) + 1
-    read = (sum(seq_lens) if opts.window_left < 0
-            else sum(min(n, opts.window_left + 1) for n in seq_lens))   # (one query a row)
-    layers = layers_that_fit(shape, num_pages, opts, read_tokens=read)
+    layers = layers_that_fit(shape, num_pages, opts,
+                             read_tokens=_read_tokens(seq_lens, opts.window_left))
     cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
     for i, n in enumerate(seq_lens):
         cache.add_sequence(i)
@@ -303,7 +311,8 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
     inputs = step_inputs(cache, list(range(len(seq_lens))), shape,
                          torch.Generator().manual_seed(opts.seed),
                          query_counts(opts.q_len, seq_lens, seed=opts.seed), **opts.variants())
-    measured = Measured(name=name, batch_slots=len(seq_lens), layers=layers)
+    measured = Measured(name=name, batch_slots=len(seq_lens), layers=layers,
+                        step_layers=opts.layers)
     for timing in measure_all(backends, inputs, check=True, opts=opts, dead=set()):
         measured.steps.append({"step": 0, **timing.as_dict(), "max_seq_len": max(seq_lens)})
     del inputs

@@ -15,8 +15,8 @@ from ..wrapper import BACKENDS
 from .backends import PersistentKV
 from .measure import graph_time_per_layer, kv_bytes_per_layer, reference_output
 from .results import environment, results_json
-from .runner import (L2_ROTATION_BYTES, ModelShape, RunOptions, layers_that_fit, make_cache,
-                     step_inputs)
+from .runner import (L2_ROTATION_BYTES, MAX_ROTATION_LAYERS, ModelShape, RunOptions,
+                     layers_that_fit, make_cache, step_inputs)
 from ..reference import TOLERANCE, relative_error
 
 SWEEP_CELLS = {"B1 L1K": [1024], "B1 L8K": [8192], "B1 L32K": [32768], "B4 L1K": [1024] * 4,
@@ -64,7 +64,7 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
     for cell in cells:
         lens = SWEEP_CELLS[cell]
         per_layer = sum(lens) * shape.bytes_per_token()
-        layers = min(64, max(4, math.ceil(L2_ROTATION_BYTES / per_layer)))
+        layers = min(MAX_ROTATION_LAYERS, max(4, math.ceil(L2_ROTATION_BYTES / per_layer)))
         num_pages = sum(-(-n // shape.page_size) for n in lens) + 1
         opts = RunOptions(layers=layers, rotate_l2=False)   # its own rotation, above
         layers = layers_that_fit(shape, num_pages, opts)
