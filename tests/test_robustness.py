@@ -396,6 +396,49 @@ def test_a_replaced_workspace_gets_its_own_launches(monkeypatch):
     assert len(serials) == 3
 
 
+@pytest.mark.parametrize("fails_in", ["bind", "reserve"])
+def test_a_plan_that_fails_after_growing_the_workspace_leaves_the_last_plan_whole(
+        monkeypatch, fails_in):
+    """A plan that needs larger buffers and fails once it has them (here the planner's bind, or
+    the reserve's last allocation, as an out-of-memory would) puts the buffers back: the last
+    plan still runs right, with a run signature it had not launched before too, and a later
+    plan of that larger batch runs right."""
+    from persistentkv import planner as planner_module
+
+    small = make_case(seq_lens=[70, 9], **HEADS)
+    large = make_case(seq_lens=[900, 400, 1300, 64, 250, 700], **HEADS)
+    wrapper = DecodeWrapper("NHD")
+    wrapper.plan(**csr_kwargs(small.table), **HEADS, backend="split", split_pages=1)
+    before = wrapper.current_plan
+    snapshot = before.workspace.snapshot()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("out of memory (injected)")
+    if fails_in == "bind":
+        monkeypatch.setattr(planner_module.Planner, "_bind", fail)
+    else:
+        real_zeros = torch.zeros
+        def zeros(*args, **kwargs):     # the counters, allocated last
+            if kwargs.get("dtype") is torch.int32 and args and args[0] >= 1024:
+                fail()
+            return real_zeros(*args, **kwargs)
+        monkeypatch.setattr(planner_module.torch, "zeros", zeros)
+    with pytest.raises(RuntimeError, match="injected"):
+        wrapper.plan(**csr_kwargs(large.table), **HEADS, backend="split", split_pages=1)
+    monkeypatch.undo()
+    assert wrapper.current_plan is before
+    assert all(a is b for a, b in zip(before.workspace.snapshot(), snapshot))
+    ref, _ = reference_decode(small.q, small.kv_cache, layout="NHD", **csr_kwargs(small.table))
+    out = torch.full_like(small.q, float("nan"))
+    wrapper.run(small.q, small.kv_cache, out=out, return_lse=True)
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+    wrapper.plan(**csr_kwargs(large.table), **HEADS, backend="split", split_pages=1)
+    ref, _ = reference_decode(large.q, large.kv_cache, layout="NHD", **csr_kwargs(large.table))
+    out = torch.full_like(large.q, float("nan"))
+    wrapper.run(large.q, large.kv_cache, out=out, return_lse=True)
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+
+
 def test_plan_caches_stay_bounded():
     """Plans of ever new options (here 100 softmax scales) keep a bounded number of setups and
     bound launches (the setups grew by one a plan)."""

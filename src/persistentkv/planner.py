@@ -63,8 +63,12 @@ class Workspace:
     counters int32 [slots * head items] (KV heads x M-blocks x value blocks), by partial slot
     and head item (zero between launches), and the
     page guard's copy of a trusted page table, int32 [entries] (guard.py), and the rows' lengths
-    int32 [rows] (the planner's). `generation` counts the reallocations; `serial` tells
-    workspaces apart (an id() is reused once a workspace is freed)."""
+    int32 [rows] (the planner's). `generation` names the buffers (a new number at every
+    reallocation, never one used before, so that launches bound to earlier buffers are never
+    taken for later ones); `serial` tells workspaces apart (an id() is reused once a workspace
+    is freed). A plan that fails after reserve() puts the buffers back (snapshot, restore)."""
+
+    BUFFERS = ("tasks", "info", "part_o", "part_lse", "counters", "safe_pages", "row_lens")
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -76,7 +80,18 @@ class Workspace:
         self.safe_pages = torch.zeros(0, dtype=torch.int32, device=device)
         self.row_lens = torch.zeros(0, dtype=torch.int32, device=device)
         self.generation = 0
+        self._generations = itertools.count(1)
         self.serial = next(_WORKSPACE_SERIALS)
+
+    def snapshot(self) -> tuple:
+        """The buffers and their generation, for restore()."""
+        return tuple(getattr(self, name) for name in self.BUFFERS) + (self.generation,)
+
+    def restore(self, snapshot: tuple) -> None:
+        """The buffers of snapshot() again (after a plan that failed once it had grown them)."""
+        *buffers, self.generation = snapshot
+        for name, buffer in zip(self.BUFFERS, buffers):
+            setattr(self, name, buffer)
 
     @property
     def capacity(self) -> int:
@@ -102,30 +117,30 @@ class Workspace:
                 kv_heads: int, pages: int, rows: int, value_blocks: int = 1) -> None:
         """Room for `tasks` task records, the partials of `partial_tasks` of them (partial_heads
         rows each) and their merge counters, a copy of `pages` page-table entries, and `rows`
-        row lengths."""
-        grown = False
+        row lengths. Every new buffer is allocated before any is replaced: an allocation that
+        fails leaves the workspace as it was."""
+        grown = {}
+        zeros = dict(dtype=torch.int32, device=self.device)
         if self.row_lens.numel() < rows:
-            self.row_lens = torch.zeros(rows, dtype=torch.int32, device=self.device)
-            grown = True
+            grown["row_lens"] = torch.zeros(rows, **zeros)
         if self.safe_pages.numel() < pages:
-            self.safe_pages = torch.zeros(pages, dtype=torch.int32, device=self.device)
-            grown = True
+            grown["safe_pages"] = torch.zeros(pages, **zeros)
         if self.tasks.shape[0] < tasks:
             tasks = -(-tasks // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
-            self.tasks = torch.zeros(tasks, TASK_FIELDS, dtype=torch.int32, device=self.device)
-            grown = True
+            grown["tasks"] = torch.zeros(tasks, TASK_FIELDS, **zeros)
         partial_tasks = -(-max(partial_tasks, 1) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
         slots = partial_tasks * partial_heads
         if self.part_lse.numel() < slots * value_blocks or self.part_o.numel() < slots * head_dim:
-            self.part_lse = torch.empty(slots * value_blocks, dtype=torch.float32,
-                                        device=self.device)
-            self.part_o = torch.empty(slots * head_dim, dtype=torch.float32, device=self.device)
-            grown = True
+            grown["part_lse"] = torch.empty(slots * value_blocks, dtype=torch.float32,
+                                            device=self.device)
+            grown["part_o"] = torch.empty(slots * head_dim, dtype=torch.float32,
+                                          device=self.device)
         if self.counters.numel() < partial_tasks * kv_heads:
-            self.counters = torch.zeros(partial_tasks * kv_heads, dtype=torch.int32,
-                                        device=self.device)
-            grown = True
-        self.generation += grown
+            grown["counters"] = torch.zeros(partial_tasks * kv_heads, **zeros)
+        if grown:
+            for name, buffer in grown.items():
+                setattr(self, name, buffer)
+            self.generation = next(self._generations)
 
 
 @dataclass(frozen=True)
@@ -264,6 +279,21 @@ class Planner:
                     # graph mode sizes the guard's copy for any later plan, checked or not
                     pages=0 if options.check_page_table and self.fixed_pages is None
                     else max(extent, self.fixed_pages or 0))
+        previous, saved = ws, None if ws is None else ws.snapshot()
+        try:
+            return self._plan_into(ws, need, tensors, table, options, queries, config,
+                                   head_items, fixed_tail, extent, q_pad)
+        except BaseException:      # a failed plan leaves the last one's buffers as they were
+            self.workspace = previous
+            if previous is not None:
+                previous.restore(saved)
+            raise
+
+    def _plan_into(self, ws: Workspace | None, need: dict, tensors: tuple, table: PageTableArgs,
+                   options: PlanOptions, queries: QueryLayout | None, config: KernelConfig,
+                   head_items: int, fixed_tail, extent: int, q_pad: int) -> DecodePlan:
+        """plan()'s second half: grow the workspace to `need`, bind and launch the planner."""
+        device = table.device
         if ws is None or ws.device != device:
             ws = self.workspace = Workspace(device)
         if not ws.fits(**need):
