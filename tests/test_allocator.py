@@ -60,7 +60,7 @@ def test_bad_ids_and_counts():
     alloc.add("x")
     with pytest.raises(ValueError, match="already exists"):
         alloc.add("x")
-    with pytest.raises(KeyError, match="unknown sequence id 'y'"):
+    with pytest.raises(ValueError, match="^unknown sequence id 'y'$"):
         alloc.free("y")
     with pytest.raises(ValueError, match="num_tokens"):
         alloc.append("x", -1)
@@ -172,3 +172,15 @@ def test_append_that_fails_midway_changes_nothing(monkeypatch):
     pages, slots = alloc.append("s", 5)
     assert alloc.sequence("s").length == 6 and alloc.num_free_pages == 1
     assert list(slots) == [1, 0, 1, 0, 1] and len(set(pages.tolist())) == 3
+
+
+def test_an_unknown_sequence_is_a_value_error_and_a_key_error():
+    """The cache's calls with an id it does not hold raise one error, both a ValueError (bad
+    input, as the rest of the API) and a KeyError (a lookup), its message unquoted."""
+    cache = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=16,
+                         device="cpu")
+    for call in (lambda: cache.seq_len("z"), lambda: cache.page_table(["z"]),
+                 lambda: cache.free_sequence("z"), lambda: cache.append_tokens("z", 1)):
+        with pytest.raises(ValueError, match="^unknown sequence id 'z'$") as info:
+            call()
+        assert isinstance(info.value, KeyError)

@@ -205,6 +205,10 @@ def test_balanced_short_rows_and_bad_options():
             shard_table(table, rank=0, **opts)
     with pytest.raises(ValueError, match="rank must be >= 0, got -1"):
         shard_table(table, rank=-1, world_size=2)
+    for call in (lambda t: short_row_ranks(t, world_size=2),
+                 lambda t: shard_table(t, rank=0, world_size=2)):
+        with pytest.raises(TypeError, match="table must be a PageTable, got dict"):
+            call({"row_pages": [], "seq_lens": [], "page_size": 16})
 
 
 @pytest.mark.skipif(not ON_GPU, reason="NCCL and CUDA graphs need a GPU (one is enough: a group of one rank)")

@@ -1,6 +1,7 @@
 """Every schedule against the float64 reference: both layouts, fp16 and bf16, curated shapes."""
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -364,6 +365,20 @@ def test_long_tile_config_is_checked():
     with pytest.raises(ValueError, match="KernelConfig.long_from_tokens must be a positive int, "
                                          "got 0"):
         KernelConfig(long_from_tokens=0)
+
+
+@pytest.mark.parametrize("name", ["num_warps", "num_stages", "programs_per_sm", "value_blocks",
+                                  "min_split_tokens", "block_n", "max_tile_rows"])
+def test_kernel_config_takes_numpy_integers_and_refuses_bools(name):
+    """A numpy integer is an int (the same config, hashed alike); True is no count."""
+    from persistentkv.tuning import KernelConfig
+
+    value = getattr(KernelConfig(), name) or 64
+    config = KernelConfig(**{name: np.int64(value)})
+    assert type(getattr(config, name)) is int and config == KernelConfig(**{name: value})
+    assert hash(config) == hash(KernelConfig(**{name: value}))
+    with pytest.raises(ValueError, match=f"KernelConfig.{name} must be .*, got True"):
+        KernelConfig(**{name: True})
 
 
 def test_m_blocks_rule_and_checks():

@@ -170,6 +170,9 @@ def test_mixed_page_table_forms_and_bad_options(case):
         planned(case, backend="fast")
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         DecodeWrapper("NDH")
+    with pytest.raises(ValueError, match=r"^layout must be one of .*, got 'XYZ'"):
+        PagedKVCache(num_layers=1, num_pages=2, page_size=16, num_kv_heads=2, head_dim=64,
+                     layout="XYZ", device="cpu")
     with pytest.raises(TypeError, match="page_size must be an int"):
         planned(case, page_size=16.0)
     with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
@@ -392,6 +395,29 @@ def test_split_pages_must_fit_int32_tokens(case):
         with pytest.raises(ValueError, match=r"split_pages x page_size must be at most 2\^30 "
                                              rf"tokens, got split_pages={bad} at page_size="):
             planned(case, backend="split", split_pages=bad)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_a_table_that_can_address_rows_past_int32_is_refused(graph):
+    """A row of 2^31 tokens wrapped to a negative length in the kernels' int32: it was dropped
+    (no tasks, the output untouched) and check() passed. A table able to address more than 2^30
+    tokens a row, or a page of more, is refused before anything changes."""
+    def i32(*values):
+        return torch.tensor(values, dtype=torch.int32)
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    wrapper = (DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=1, max_num_pages=4096)
+               if graph else DecodeWrapper("NHD"))
+    csr = dict(kv_indptr=i32(0, 2048), kv_indices=torch.zeros(2048, dtype=torch.int32),
+               kv_last_page_len=i32(2**20))
+    with pytest.raises(ValueError, match=r"page_size=1048576 x 2048 kv_indices' entries can "
+                                         r"address more than 2\^30 tokens a row"):
+        wrapper.plan(**csr, **heads, page_size=2**20, check_page_table=not graph)
+    block = dict(block_table=torch.zeros(1, 4, dtype=torch.int32), seq_lens=i32(3))
+    with pytest.raises(ValueError, match=r"page_size must be at most 2\^30 tokens, got 2147483648"):
+        wrapper.plan(**block, **heads, page_size=2**31)
+    with pytest.raises(RuntimeError, match="run\\(\\) called before plan\\(\\)"):
+        wrapper.current_plan
+    wrapper.plan(**block, **heads, page_size=2**28)          # 2^30 tokens a row: the limit
 
 
 def test_q_rows_are_checked_against_each_plan():

@@ -21,6 +21,14 @@ class Sequence:
     length: int = 0
 
 
+class UnknownSequenceError(KeyError, ValueError):
+    """A sequence id the allocator does not hold: a lookup's KeyError, and a ValueError (bad
+    input) as the rest of the API raises."""
+
+    def __str__(self) -> str:      # KeyError's own quotes the message
+        return str(self.args[0])
+
+
 def _hashable(seq_id: object) -> object:
     """A sequence id, which must be hashable (a dict key)."""
     try:
@@ -65,7 +73,7 @@ class PageAllocator:
         try:
             return self._seqs[_hashable(seq_id)]
         except KeyError:
-            raise KeyError(f"unknown sequence id {seq_id!r}") from None
+            raise UnknownSequenceError(f"unknown sequence id {seq_id!r}") from None
 
     @property
     def sequence_ids(self) -> list[object]:
@@ -127,6 +135,6 @@ class PageAllocator:
 
     def free(self, seq_id: object) -> None:
         """Return the pages of `seq_id` to the free list and forget it."""
-        self.sequence(seq_id)  # raises KeyError for an unknown id
+        self.sequence(seq_id)  # raises UnknownSequenceError for an unknown id
         seq = self._seqs.pop(seq_id)
         self._free.extend(reversed(seq.pages))

@@ -56,9 +56,10 @@ def check_v_transposed_cache(k: torch.Tensor, *, page_size: int, head_dim: int) 
                          f"head_dim] = [{page_size}, {head_dim}], got strides {k.stride()}")
 
 
-def check_layout(layout: object) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {LAYOUTS}, got {layout!r}")
+def check_layout(layout: object, *, name: str = "layout") -> str:
+    """One of LAYOUTS; `name`: the argument's, for the error."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
     return layout  # type: ignore[return-value]
 
 

@@ -63,6 +63,11 @@ def _spread_tokens(counts: np.ndarray, lens: np.ndarray, size: int, world: int,
     return tokens
 
 
+def _check_table(table: object) -> None:
+    if not isinstance(table, PageTable):
+        raise TypeError(f"table must be a PageTable, got {type(table).__name__} {table!r:.80}")
+
+
 def short_row_ranks(table: PageTable, *, world_size: int, placement: str = "contiguous",
                     min_pages_per_rank: int = 1) -> np.ndarray:
     """The rank that holds each row of `table` whole, int64 [B]; -1 for a row spread over every
@@ -70,6 +75,7 @@ def short_row_ranks(table: PageTable, *, world_size: int, placement: str = "cont
     pages). Short rows go, longest first (ties: the lower row), to the rank with the fewest tokens
     so far, spread rows' shares included (ties: the lower rank): the same answer on every rank.
     The default threshold of 1 page is not yet calibrated on GPUs."""
+    _check_table(table)
     world, least = _check_sharding(world_size, placement, min_pages_per_rank)
     counts = np.array([len(p) for p in table.row_pages], dtype=np.int64)
     lens = np.asarray(table.seq_lens, dtype=np.int64)
@@ -91,6 +97,7 @@ def shard_table(table: PageTable, *, rank: int, world_size: int,
     interleaved (pages r, r + W, ...). A shorter row goes whole to one rank (short_row_ranks) and
     is empty elsewhere. A share's length counts its tokens: full pages, and the row's last (partial)
     page for the rank that holds it. The default threshold (1 page) is to be calibrated on GPUs."""
+    _check_table(table)
     world, _ = _check_sharding(world_size, placement, min_pages_per_rank)
     rank = check_count("rank", rank)
     if rank >= world:

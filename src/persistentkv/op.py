@@ -39,6 +39,9 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     tile's own; d_blocks: programs that share a task's output columns).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
+
+    Internal: the arguments are a plan's (traced_decode, from DecodeWrapper.run, passes them after
+    run()'s checks); the op checks none of them, and inconsistent ones read or write wrongly.
     """
     total, num_qo_heads, head_dim = q.shape
     out = torch.empty((total, num_qo_heads, head_dim), dtype=q.dtype, device=q.device)

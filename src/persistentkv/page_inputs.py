@@ -102,6 +102,9 @@ class PageTableArgs:
         return self.indices.device
 
 
+MAX_ROW_TOKENS = 2**30   # a row's positions, plus a split (schedule.MAX_SPLIT_TOKENS), in int32
+
+
 def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, block_table=None,
                     seq_lens=None, page_size: int, check_values: bool) -> PageTableArgs:
     """The CSR triple or block_table + seq_lens, checked: dtypes, shapes, strides and devices
@@ -129,6 +132,13 @@ def page_table_args(*, kv_indptr=None, kv_indices=None, kv_last_page_len=None, b
     else:
         raise ValueError("give either kv_indptr, kv_indices and kv_last_page_len (CSR) or "
                          "block_table and seq_lens, not a mix")
+    entries, name = (pages, "kv_indices' entries") if max_row_pages is None else (
+        width, "block_table's columns")
+    if page_size > MAX_ROW_TOKENS:
+        raise ValueError(f"page_size must be at most 2^30 tokens, got {page_size}")
+    if entries * page_size > MAX_ROW_TOKENS:
+        raise ValueError(f"page_size={page_size} x {entries} {name} can address more than "
+                         f"2^30 tokens a row, past the kernels' int32 positions")
     return PageTableArgs(csr=indices is kv_indices, indices=indices, leading=leading, rows=rows,
                          pages=pages, max_row_pages=max_row_pages, num_indices=indices.numel(),
                          row_stride=row_stride, width=width, max_page=max_page,

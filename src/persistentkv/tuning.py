@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from dataclasses import dataclass
 
 from .runtime import next_power_of_2
@@ -213,10 +214,14 @@ class KernelConfig:
         return self.long_block_n is not None and tile_rows > LONG_TILE_MAX_ROWS
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):   # numpy integers as ints (hashing, equality)
+            value = getattr(self, field.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, field.name, int(value))
         for name in ("block_n", "num_warps", "num_stages", "min_split_tokens", "programs_per_sm",
                      "long_from_tokens", "value_blocks"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
         for name in ("balanced_from_tokens", "small_step_kv_bytes_per_sm"):
             value = getattr(self, name)
@@ -232,7 +237,8 @@ class KernelConfig:
             value = getattr(self, name)
             if value is None and name != "block_n":
                 continue
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 16 \
+                    or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {value!r}")
         if self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
             raise ValueError(f"KernelConfig.num_warps must be a power of two up to 32, got "

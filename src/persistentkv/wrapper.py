@@ -54,7 +54,7 @@ class DecodeWrapper:
                  use_cuda_graph: bool = False, max_batch_size: int | None = None,
                  max_num_pages: int | None = None, max_queries_per_row: int = 1,
                  policy: Policy | None = None, num_sms: int | None = None):
-        self.kv_layout = check_layout(kv_layout)
+        self.kv_layout = check_layout(kv_layout, name="kv_layout")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a persistentkv.policy.Policy, got "
                             f"{type(policy).__name__}")
