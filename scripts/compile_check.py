@@ -22,6 +22,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
+from persistentkv.kernels.plan import POLICY_EDGES, plan_kernel
+from persistentkv.schedule import ONE_ROUND_STEPS
 from persistentkv.tuning import default_config
 
 triton.knobs.compilation.always_compile = True   # the docstring says why
@@ -67,6 +69,31 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     if max_registers is not None:   # as launch.py launches it
         options["maxnreg"] = max_registers
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_planner(*, arch: int, csr: bool, policy: bool, q_pad: int):
+    """The planner kernel (kernels/plan.py) as the planner binds it: page 16, 128 rows a block;
+    csr: the CSR table (else a block table); policy: the decision table's code; q_pad > 0:
+    graph mode's qo_indptr, counted against a tile of q_pad query tokens."""
+    constexprs = dict(PAGE_SIZE=16, BLOCK_ROWS=128, BLOCK_SPLITS=32, CSR=csr, POLICY=policy,
+                      ONE_ROUND_STEPS=ONE_ROUND_STEPS, EDGES=POLICY_EDGES, Q_PAD=q_pad)
+    names = plan_kernel.arg_names
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "edges_ptr":
+            signature[name] = "*fp64"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32"
+        elif name.endswith("_slack"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    src = ASTSource(plan_kernel, signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 4, "num_stages": 2})
 
 
 def resource_usage(cubin: bytes) -> str:
@@ -153,7 +180,18 @@ def main():
                         help="KernelConfig fields over the shape's default, e.g. "
                              "'block_n=64,long_block_n=128' (long_block_n=0 or =none: none; "
                              "max_registers=none: the compiler's choice)")
+    parser.add_argument("--planner", action="store_true",
+                        help="the planner kernel instead: CSR and block tables, with the policy's "
+                             "table and without, with graph mode's qo_indptr and without")
     args = parser.parse_args()
+    if args.planner:
+        for csr in (True, False):
+            for policy in (False, True):
+                for q_pad in (0, 4):
+                    k = compile_planner(arch=args.arch, csr=csr, policy=policy, q_pad=q_pad)
+                    print(f"planner csr {int(csr)} policy {int(policy)} q_pad {q_pad}: "
+                          f"{resource_usage(k.asm['cubin'])}; {sass_counts(k.asm['cubin'])}")
+        return
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 64, 1), (8, 128, 1),
                                                     (7, 128, 1), (2, 256, 1), (8, 512, 1))

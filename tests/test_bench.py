@@ -614,6 +614,14 @@ def test_a_results_file_records_its_command_runnable():
     assert env["command"] == "persistentkv bench --cells 'B1 L1K,B8 zipf'"
 
 
+def test_a_results_file_records_the_arguments_the_cli_was_given(tmp_path):
+    """cli.main(argv) records argv, not the calling process's own command line."""
+    argv = ["bench", "--out", str(tmp_path), "--backends", "per-sequence", "--page-size", "8"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "traces-functional.json").read_text())
+    assert data["environment"]["command"] == "persistentkv " + " ".join(argv)
+
+
 def test_a_refit_records_every_trace_seed_it_read():
     """Seeds a refit's files measured, which evaluate then refuses: calibrate's, a bench run's
     traces' (its options' seed) and any a case names; a grid's seed is no trace's (a refit from

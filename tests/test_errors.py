@@ -215,6 +215,9 @@ def test_cache_constructor_and_append_checks():
         PagedKVCache(**shape, head_dim=16, device="gpu")
     with pytest.raises(ValueError, match="device must be a torch.device or a device string"):
         DecodeWrapper("NHD", device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device is 'cuda', but this torch has no CUDA"):
+            PagedKVCache(**shape, head_dim=16, device="cuda")
 
 
 def test_append_keeps_no_autograd_graph():

@@ -208,7 +208,7 @@ def test_paged_kv_cache_arguments(which, tokens):
     try:
         cache = PagedKVCache(**kwargs)
     except (ValueError, TypeError) as exc:
-        assert _names(exc, name if name != "layout" else "kv_layout"), exc
+        assert _names(exc, name), exc
         return
     cache.add_sequence("s")
     free = cache.allocator.num_free_pages

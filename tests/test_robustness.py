@@ -325,6 +325,35 @@ def test_rows_longer_than_their_table_are_cut_and_counted(form, graph):
         wrapper.plan(**kwargs, **HEADS, check_page_table=True)
 
 
+def test_graph_mode_counts_rows_of_more_queries_than_the_tile_holds():
+    """Graph mode reads qo_indptr on the device only: a row of more query tokens than the tile
+    (max_queries_per_row=2: a tile of 2), or of a negative count, is clamped by the kernel (its
+    outputs are wrong) and counted once per plan for check(); a qo_indptr within the tile
+    matches the reference and check() passes."""
+    from paged_case import queries
+
+    case = make_case(seq_lens=[40, 70], **HEADS)
+    wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=2, max_num_pages=32,
+                            max_queries_per_row=2)
+    q, good = queries(case, [1, 2], seed=0)
+    indptr = good.to(case.q.device)                 # refilled in place, as before a replay
+    wrapper.plan(**csr_kwargs(case.table), **HEADS, qo_indptr=indptr)
+    out = torch.full_like(q, float("nan"))
+    wrapper.run(q, case.kv_cache, out=out)
+    ref, _ = reference_decode(q, case.kv_cache, layout="NHD", qo_indptr=good,
+                              **csr_kwargs(case.table))
+    assert relative_error(out, ref) <= TOLERANCE[torch.float16]
+    wrapper.check()
+    for wrong in ([0, 1, 5], [0, 2, 1]):            # 4 queries in row 1; then a count of -1
+        indptr.copy_(torch.tensor(wrong, dtype=torch.int32))
+        for _ in range(2):
+            wrapper.plan(**csr_kwargs(case.table), **HEADS, qo_indptr=indptr)
+        with pytest.raises(ValueError, match=r"^since the last check\(\), 2 rows had query "
+                                             r"counts \(qo_indptr\) negative or over the tile"):
+            wrapper.check()
+        wrapper.check()                             # reset
+
+
 def test_page_guard_copies_refilled_tables_and_ignores_padding():
     """A plan() of the same tensors refilled in place (the planner's replan path) copies the new
     values; block-table padding past a row's pages may hold anything and is not counted."""

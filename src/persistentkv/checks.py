@@ -97,12 +97,16 @@ def check_head_dim(head_dim: object) -> int:
 
 
 def check_device(value: object) -> torch.device:
-    """A torch.device, or a string or index torch.device() takes."""
+    """A torch.device, or a string or index torch.device() takes; a CUDA device only where torch
+    has one."""
     try:
-        return torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be a torch.device or a device string such as 'cuda:0', "
                          f"got {value!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device is {value!r}, but this torch has no CUDA device")
+    return device
 
 
 def check_offsets(name: str, offsets: np.ndarray) -> np.ndarray:

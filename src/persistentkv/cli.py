@@ -460,7 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .bench.results import record_command
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    record_command(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:   # bad input: a message, not a traceback

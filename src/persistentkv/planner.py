@@ -55,8 +55,9 @@ class PlanOptions:
 
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
-    [8] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks,
-    and check()'s two counts: used entries outside the pool, rows cut to their table),
+    [9] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks,
+    and check()'s three counts: used entries outside the pool, rows cut to their table, rows
+    whose query counts the tile cannot hold),
     partial outputs [slots * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
     in the first half where it is 16-bit) and lse fp32 [slots * Hq * value blocks], with slots
     the partial capacity (tasks of rows cut in two or more: schedule.partial_bound), merge
@@ -305,14 +306,16 @@ class Planner:
         block_rows = next_power_of_2(max(table.rows, 1))
         leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
         align = tuple(t.data_ptr() % 16 for t in table.leading)
+        trusted_queries = None if queries is None or queries.total is not None else queries.indptr
         bind_key = (options, config.max_tile_rows, device, table.csr, block_rows, align, ws.serial,
-                    ws.generation, q_pad)
+                    ws.generation, q_pad,
+                    None if trusted_queries is None else trusted_queries.data_ptr())
         launch = self._bound.get(bind_key)
         if launch is None:
             if len(self._bound) > 64:
                 self._bound.clear()
             launch = self._bound[bind_key] = self._bind(options, config, table, ws, fixed_tail,
-                                                        block_rows, align, q_pad)
+                                                        block_rows, align, q_pad, trusted_queries)
         # at least a program per head item: a balanced plan runs one chunk (>= 1) of each
         programs = min(max(config.programs_per_sm * self.sms(device), head_items),
                        ws.capacity * head_items)
@@ -398,10 +401,11 @@ class Planner:
 
     def _bind(self, options: PlanOptions, config: KernelConfig, table: PageTableArgs,
               ws: Workspace, fixed_tail: tuple, block_rows: int, align: tuple,
-              q_pad: int) -> BoundLaunch:
+              q_pad: int, trusted_queries: torch.Tensor | None) -> BoundLaunch:
         """The planner's launch with everything but the page table and its sizes bound. config:
         the step's (_step_config); q_pad: the tile's query tokens per row (a window keeps
-        window_left + q_pad positions a row)."""
+        window_left + q_pad positions a row); trusted_queries: graph mode's qo_indptr (the
+        planner counts its rows the tile cannot hold), else None."""
         edges, dense, before_split, after_split, use_policy = fixed_tail
         group = options.num_qo_heads // options.num_kv_heads
         smallest_split = min_split_tokens(config,
@@ -410,8 +414,9 @@ class Planner:
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
                           ONE_ROUND_STEPS=ONE_ROUND_STEPS if config.one_round else 0,
-                          EDGES=POLICY_EDGES)
-        key = (*constexprs.values(), table.device.index, *align)
+                          EDGES=POLICY_EDGES, Q_PAD=0 if trusted_queries is None else q_pad)
+        key = (*constexprs.values(), table.device.index, *align,   # Triton specializes on
+               None if trusted_queries is None else trusted_queries.data_ptr() % 16)   # alignment
         return self._launcher.bind(grid=(block_rows,), key=key,
                                    fixed=(edges, dense, ws.tasks, ws.info, ws.row_lens, ws.capacity,
                                           ws.partial_capacity(
@@ -421,7 +426,9 @@ class Planner:
                                               value_blocks=config.column_blocks(
                                                   tile_rows=q_pad * group)),
                                           *before_split, smallest_split, *after_split,
-                                          window_tokens),
+                                          window_tokens,
+                                          ws.row_lens if trusted_queries is None
+                                          else trusted_queries),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
                                    device_index=table.device.index)
 

@@ -99,8 +99,9 @@ def _check_tile(tile: int, *, group: int, queries_per_row: str) -> None:
 def graph_query_layout(qo_indptr: object, *, rows: int, group: int, max_queries_per_row: int,
                        device: torch.device) -> QueryLayout:
     """Graph mode's qo_indptr: a device tensor refilled in place before each replay, its values
-    not read on the host (the kernel clamps each row's count to max_queries_per_row and never
-    reads or writes past q's rows)."""
+    not read on the host (the kernel clamps each row's count to the tile's, max_queries_per_row
+    rounded up to a power of two, and never reads or writes past q's rows; the planner counts
+    the rows it clamps for DecodeWrapper.check())."""
     _check_indptr_tensor(qo_indptr)
     if qo_indptr.shape[0] != rows + 1:
         raise ValueError(f"qo_indptr must have max_batch_size + 1 = {rows + 1} entries, got "

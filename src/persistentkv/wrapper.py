@@ -99,7 +99,9 @@ class DecodeWrapper:
 
     def check(self) -> None:
         """ValueError when a step since the last check() had a page table its values do not fit:
-        used entries outside the pool, or rows whose lengths the table cannot hold.
+        used entries outside the pool, or rows whose lengths the table cannot hold; or, in graph
+        mode, a qo_indptr with rows of more query tokens than the tile holds (max_queries_per_row
+        rounded up to a power of two) or of a negative count.
         A table whose values plan() did not check (check_page_table=False, graph mode) is read
         through a guarded copy: an entry outside the pool reads page 0 instead (that row's output
         is wrong), and a row longer than its table (seq_lens past block_table's width, negative,
@@ -107,10 +109,10 @@ class DecodeWrapper:
         counted on the device. check() reads the counts (one device read, a synchronization,
         where the caller chooses: after a step, or every N steps) and resets them."""
         ws = self._planner.workspace
-        outside, cut = (0, 0) if ws is None else ws.info[6:8].tolist()
-        if not (outside or cut):
+        outside, cut, queries = (0, 0, 0) if ws is None else ws.info[6:9].tolist()
+        if not (outside or cut or queries):
             return
-        ws.info[6:8].zero_()
+        ws.info[6:9].zero_()
         found = []
         if outside:
             found.append(f"{outside} used page-table entries were outside the pool (they read "
@@ -119,7 +121,11 @@ class DecodeWrapper:
             found.append(f"{cut} rows had lengths their page table cannot hold (seq_lens past "
                          f"block_table's width or negative, or kv_indptr / kv_last_page_len out "
                          f"of range; they were cut to the table)")
-        raise ValueError(f"since the last check(), {' and '.join(found)}: the page table is wrong")
+        if queries:
+            found.append(f"{queries} rows had query counts (qo_indptr) negative or over the "
+                         f"tile's max_queries_per_row (their outputs are wrong)")
+        raise ValueError(f"since the last check(), {' and '.join(found)}: the page table or "
+                         f"qo_indptr is wrong")
 
     @property
     def compiled_kernels(self) -> tuple:

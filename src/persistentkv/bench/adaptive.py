@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,8 +15,8 @@ from ..policy import Policy, bin_of, fallback_choice, fit_policy, policy_file_na
 from ..schedule import Choice
 from .backends import _pkv_variant, make_backends
 from .measure import bandwidth_ceiling, bare_launch_us
-from .results import (FI_BEST, check_out_dir, environment, print_table, run_ceiling, summarize,
-                      write_results)
+from .results import (FI_BEST, check_out_dir, environment, print_table, run_ceiling,
+                      run_command, summarize, write_results)
 from .runner import Measured, ModelShape, RunOptions, functional_setup, run_trace
 from .suite import FUNCTIONAL_PARAMS, FUNCTIONAL_TRACE, TRACE_SUITE, TraceSpec
 from .traces import make_trace
@@ -168,7 +167,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
         info = {"traces": [s.name for s in POLICY_TRACES], "seeds": list(seeds),
                 "candidates": [b.name for b in built], "functional_only": functional}
         # the measurements themselves, beside the policy: `--from-results` refits from them
-        env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
+        env = environment(device, functional=functional)
         env["shape"] = shape.record()   # dtype and layout too: a refit compares them
         env["seeds"] = list(seeds)
         fitted = shape
@@ -188,7 +187,7 @@ def run_calibrate(*, device: torch.device, seeds, candidates, shape: ModelShape,
     policy = fit_policy(steps, gpu=gpu, objective=objective,
                         shape=(fitted.num_qo_heads, fitted.num_kv_heads, fitted.head_dim),
                         page_size=fitted.page_size,
-                        info={**info, "command": shlex.join(["persistentkv", *sys.argv[1:]])})
+                        info={**info, "command": shlex.join(run_command())})
     out_path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(out_path)
     for key, choice in sorted(policy.table.items()):
@@ -250,7 +249,7 @@ def run_evaluate(*, device: torch.device, policy: Policy, seeds, backends, shape
     built, skipped = make_backends(names, layout=shape.layout, device=device, policy=policy)
     for name, why in skipped.items():
         print(f"skipping {name}: {why}")
-    env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
+    env = environment(device, functional=functional)
     env.update(bandwidth_ceiling(device), bare_launch_us=bare_launch_us(device),
                policy={"gpu": policy.gpu, "shape": policy.shape, "fit": policy.fit},
                seeds=list(seeds), shape=shape.record())

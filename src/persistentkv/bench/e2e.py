@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -564,8 +563,7 @@ def run_e2e(*, model_name: str, requests: list[int], mean_prompt: int, new_token
     _print_table(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{tag}.json"
-    env = environment(device, command=["persistentkv", *sys.argv[1:]],
-                      functional=device.type != "cuda")
+    env = environment(device, functional=device.type != "cuda")
     env["transformers"] = transformers_version()
     path.write_text(results_json({"environment": env, "rows": rows}))
     print(f"wrote {path}")

@@ -258,7 +258,7 @@ def run_layer_chain(*, device: torch.device, shape: ModelShape, batch: int = 8,
         steps.extend({"setting": run["name"], "replay": i, "us_per_step": t}
                      for i, t in enumerate(ts))
 
-    env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
+    env = environment(device, functional=functional)
     env["shape"] = {**shape.record(), "hidden": hidden}
     env["options"] = {"batch": batch, "context": context, "layers": layers, "replays": replays,
                       "seed": seed, "plan": "captured in the step's graph, once per step",

@@ -21,13 +21,29 @@ from .runner import Measured
 FI_BEST = "fi-best"
 
 
-def environment(device: torch.device, *, command: list[str], functional: bool) -> dict:
+_cli_command: list[str] | None = None   # the arguments cli.main parsed (record_command)
+
+
+def record_command(argv: list[str]) -> None:
+    """The command line the results files of this process record: `persistentkv` and the
+    arguments cli.main was given (sys.argv's where it parsed those)."""
+    global _cli_command
+    _cli_command = ["persistentkv", *argv]
+
+
+def run_command() -> list[str]:
+    """The command line a results file records (record_command's, else sys.argv's)."""
+    return _cli_command or ["persistentkv", *sys.argv[1:]]
+
+
+def environment(device: torch.device, *, command: list[str] | None = None,
+                functional: bool) -> dict:
     import triton   # here, not at the top: the CLI's parser imports this module before it chooses
                     # Triton's interpreter
 
     env = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(command),   # quoted: it runs again as written
+        "command": shlex.join(command or run_command()),   # quoted: it runs again as written
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,

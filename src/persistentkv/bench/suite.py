@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +98,7 @@ def run_bench(*, device: torch.device, grid: bool, cells: list[str] | None = Non
     built, skipped = make_backends(backends, layout=shape.layout, device=device)
     for name, why in skipped.items():
         print(f"skipping {name}: {why}")
-    env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=functional)
+    env = environment(device, functional=functional)
     env["shape"] = shape.record()
     env["options"] = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
     env.update(bandwidth_ceiling(device))

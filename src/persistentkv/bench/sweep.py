@@ -5,7 +5,6 @@ import dataclasses
 import itertools
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -108,7 +107,7 @@ def run_sweep(*, device: torch.device, cells: list[str], spec: dict[str, list], 
     for gm, k in ranked[:8]:
         print(f"geomean {gm:7.2f} us: {k}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    env = environment(device, command=["persistentkv", *sys.argv[1:]], functional=False)
+    env = environment(device, functional=False)
     env["shape"] = shape.record()
     out_path.write_text(results_json({"environment": env, "rows": rows,
                                       "ranked": [(gm, list(k)) for gm, k in ranked]}))

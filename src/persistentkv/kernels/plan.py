@@ -10,10 +10,11 @@ import triton.language as tl
 
 TASK_FIELDS = 8   # int32 per task record: (row, split, tok_lo, tok_hi, page_start, slot_start,
                   # num_splits, next task of the same chunk or -1)
-INFO_FIELDS = 8   # int32 plan info: (task count, split tokens, choice code, claim counter,
+INFO_FIELDS = 9   # int32 plan info: (task count, split tokens, choice code, claim counter,
                   # tasks that did not fit, chunks of a balanced plan (0: none), used page-table
                   # entries outside the pool (the page guard's), rows whose lengths the table
-                  # cannot hold (added to by every plan); the last two are reset by check() only)
+                  # cannot hold, rows whose query counts the tile cannot hold (the last two added
+                  # to by every plan); the last three are reset by check() only)
 BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
 POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 
@@ -117,10 +118,10 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
                 task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
                 whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
-                window_tokens,
+                window_tokens, qo_indptr_ptr,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
-                EDGES: tl.constexpr):
+                EDGES: tl.constexpr, Q_PAD: tl.constexpr):
     """Program b writes row b's tasks and its length (row_lens[b], the causal mask of several
     query tokens reads it); program 0 also writes the plan info.
 
@@ -128,6 +129,9 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
     Lengths are clamped to what the table holds, so a bad table cannot send a read past it;
     program 0 adds the rows clamped (or with offsets out of order) to info[7] (check()).
+    Q_PAD > 0 (graph mode's qo_indptr, its values not read on the host): the decode kernel
+    clamps each row's query count to [0, Q_PAD], the tile's; program 0 adds the rows whose
+    count qo_indptr[b+1] - qo_indptr[b] is outside it (or whose start is negative) to info[8].
     A sliding window (window_tokens >= 0: the most positions a row's queries see, window_left +
     the tile's query count) drops each row's whole pages before its last window_tokens
     positions: the row then starts at its first kept page (page start and length move by the
@@ -164,6 +168,11 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
         lens = tl.minimum(tl.maximum(lens_given, 0), block_table_width * PAGE_SIZE)
         cut = lens != lens_given
     cut_rows = tl.sum((cut & in_batch).to(tl.int32), axis=0)
+    if Q_PAD > 0:
+        q_lo = tl.load(qo_indptr_ptr + offs, mask=in_batch, other=0)
+        q_count = tl.load(qo_indptr_ptr + offs + 1, mask=in_batch, other=0) - q_lo
+        wrong_queries = (q_lo < 0) | (q_count < 0) | (q_count > Q_PAD)
+        query_rows = tl.sum((wrong_queries & in_batch).to(tl.int32), axis=0)
     dropped = tl.where(window_tokens >= 0, tl.maximum(lens - window_tokens, 0) // PAGE_SIZE, 0)
     lo = lo + dropped
     lens = lens - dropped * PAGE_SIZE
@@ -209,6 +218,9 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
         tl.store(info_ptr + 5, tl.where(fits, num_chunks, 0))
         if cut_rows > 0:
             tl.store(info_ptr + 7, tl.load(info_ptr + 7) + cut_rows)
+        if Q_PAD > 0:
+            if query_rows > 0:
+                tl.store(info_ptr + 8, tl.load(info_ptr + 8) + query_rows)
 
 
 @triton.jit
