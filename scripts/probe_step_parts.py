@@ -71,7 +71,7 @@ def step_parts(lens, shape: ModelShape, *, reps: int, policy: Policy | None = No
         bodies.update({"plan + runs, policy": auto_plan_and_runs,
                        "plan, policy": lambda: auto.plan(**auto_kw)})
     graphs = [capture_graph(body) for body in bodies.values()]
-    rounds = [replay_medians(graphs, reps=reps) for _ in range(2)]
+    rounds = [replay_medians(graphs, reps=reps, busy=False) for _ in range(2)]
     layers = len(qs)
     row = {name: {"us": [r[i] for r in rounds],
                   "us_per_layer": [r[i] / layers for r in rounds] if "runs" in name else None}

@@ -131,13 +131,25 @@ class RefusingBackend(PerSequence):
         raise ValueError(f"Invalid page_size: {step.page_size}")
 
 
+class RefusingRun(RefusingBackend):
+    """Plans, then raises the refusal's type in run(): a failure, not a refusal."""
+
+    def plan(self, step):
+        PerSequence.plan(self, step)
+
+    def run(self, layer):
+        raise ValueError("bad argument from the bench")
+
+
 def test_a_librarys_refusal_is_reported_unsupported_and_other_errors_failed():
     device = torch.device("cuda" if ON_GPU else "cpu")
     backends = [RefusingBackend("refuses", (ValueError,)), RefusingBackend("breaks", ()),
-                PerSequence()]
+                RefusingRun("run-breaks", (ValueError,)), PerSequence()]
     measured = run_static("B2", [40, 90], backends, shape=SHAPE, opts=OPTS, device=device)
     by = {s["backend"]: s for s in measured.steps}
-    assert by["refuses"]["status"] == "unsupported" and "Invalid page_size: 16" in by["refuses"]["note"]
+    assert by["run-breaks"]["status"] == "failed" and "from the bench" in by["run-breaks"]["note"]
+    assert by["refuses"]["status"] == "unsupported"
+    assert "Invalid page_size: 16" in by["refuses"]["note"]
     assert by["breaks"]["status"] == "failed" and "Invalid page_size" in by["breaks"]["note"]
     assert by["per-sequence"]["status"] == "ok"
 
@@ -559,6 +571,15 @@ def test_a_traces_layers_let_its_smallest_measured_step_leave_the_l2():
     assert measured.layers == math.ceil(L2_ROTATION_BYTES / (smallest * SHAPE.bytes_per_token()))
     assert measured.step_layers == 2
     assert all(s["status"] == "ok" for s in measured.steps)
+    # a memory budget of fewer layers than a model step: the eager step and tokens/s count those
+    from persistentkv.bench.traces import peak_tokens
+
+    pool = (peak_tokens(trace) // 16 + 2 * trace.batch_slots + 1) * 16 * SHAPE.bytes_per_token()
+    few = RunOptions(layers=4, samples=1, eager_reps=1, graph_reps=0, check_every=1,
+                     rotate_l2=False, memory_budget_gb=2.5 * pool / 1e9)
+    measured = run_trace("t", trace, [PaddedSDPA()], shape=SHAPE, opts=few,
+                         device=torch.device("cpu"))
+    assert measured.layers == measured.step_layers == 2
 
 
 def test_kv_bytes_count_the_window():
@@ -620,6 +641,8 @@ def test_a_results_file_records_the_arguments_the_cli_was_given(tmp_path):
     assert main(argv) == 0
     data = json.loads((tmp_path / "traces-functional.json").read_text())
     assert data["environment"]["command"] == "persistentkv " + " ".join(argv)
+    from persistentkv.bench.results import run_command
+    assert run_command()[1:] != argv                  # main() returned: sys.argv's again
 
 
 def test_a_refit_records_every_trace_seed_it_read():

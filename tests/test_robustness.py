@@ -425,11 +425,11 @@ def test_a_replaced_workspace_gets_its_own_launches(monkeypatch):
     assert len(serials) == 3
 
 
-@pytest.mark.parametrize("fails_in", ["bind", "reserve"])
+@pytest.mark.parametrize("fails_in", ["bind", "reserve", "launch"])
 def test_a_plan_that_fails_after_growing_the_workspace_leaves_the_last_plan_whole(
         monkeypatch, fails_in):
-    """A plan that needs larger buffers and fails once it has them (here the planner's bind, or
-    the reserve's last allocation, as an out-of-memory would) puts the buffers back: the last
+    """A plan that needs larger buffers and fails once it has them (here the planner's bind, its
+    launch, or the reserve's last allocation, as an out-of-memory would) puts the buffers back: the last
     plan still runs right, with a run signature it had not launched before too, and a later
     plan of that larger batch runs right."""
     from persistentkv import planner as planner_module
@@ -445,6 +445,8 @@ def test_a_plan_that_fails_after_growing_the_workspace_leaves_the_last_plan_whol
         raise RuntimeError("out of memory (injected)")
     if fails_in == "bind":
         monkeypatch.setattr(planner_module.Planner, "_bind", fail)
+    elif fails_in == "launch":                      # bound to the grown buffers, then fails
+        monkeypatch.setattr(planner_module.BoundLaunch, "with_pointers", fail)
     else:
         real_zeros = torch.zeros
         def zeros(*args, **kwargs):     # the counters, allocated last
@@ -457,6 +459,8 @@ def test_a_plan_that_fails_after_growing_the_workspace_leaves_the_last_plan_whol
     monkeypatch.undo()
     assert wrapper.current_plan is before
     assert all(a is b for a, b in zip(before.workspace.snapshot(), snapshot))
+    # no planner launch bound to the discarded buffers is kept (nor their memory)
+    assert all(key[1] <= before.workspace.generation for key in wrapper._planner._bound)
     ref, _ = reference_decode(small.q, small.kv_cache, layout="NHD", **csr_kwargs(small.table))
     out = torch.full_like(small.q, float("nan"))
     wrapper.run(small.q, small.kv_cache, out=out, return_lse=True)

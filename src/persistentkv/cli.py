@@ -470,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:   # bad input: a message, not a traceback
         print(f"persistentkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        record_command(None)
 
 
 if __name__ == "__main__":

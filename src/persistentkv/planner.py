@@ -285,6 +285,10 @@ class Planner:
             return self._plan_into(ws, need, tensors, table, options, queries, config,
                                    head_items, fixed_tail, extent, q_pad)
         except BaseException:      # a failed plan leaves the last one's buffers as they were
+            failed = self.workspace
+            if failed is not None and (failed is not previous or failed.generation != saved[-1]):
+                discarded = (failed.serial, failed.generation)   # let its buffers go
+                self._bound = {k: v for k, v in self._bound.items() if k[:2] != discarded}
             self.workspace = previous
             if previous is not None:
                 previous.restore(saved)
@@ -307,8 +311,8 @@ class Planner:
         leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
         align = tuple(t.data_ptr() % 16 for t in table.leading)
         trusted_queries = None if queries is None or queries.total is not None else queries.indptr
-        bind_key = (options, config.max_tile_rows, device, table.csr, block_rows, align, ws.serial,
-                    ws.generation, q_pad,
+        bind_key = (ws.serial, ws.generation, options, config.max_tile_rows, device, table.csr,
+                    block_rows, align, q_pad,
                     None if trusted_queries is None else trusted_queries.data_ptr())
         launch = self._bound.get(bind_key)
         if launch is None:

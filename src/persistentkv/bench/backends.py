@@ -104,7 +104,8 @@ class Backend:
     fp8_error_bound: on an fp8 cache, the error against the reference accepted from a baseline
     that multiplies in e4m3 (None: the dtype's usual bound), reported with its timing.
     refusals: the exceptions by which the library behind the backend refuses a configuration
-    when the step's first plan() and run() raise them: reported unsupported, not failed.
+    when the step's first plan() raises them: reported unsupported, not failed (from run(), an
+    error is a failure).
     """
 
     name = "backend"
@@ -205,6 +206,7 @@ def flashinfer_version() -> str | None:
 # FlashInfer refuses what it does not serve (a page size, a head dim, a group) with these,
 # raised by its argument checks before any kernel runs
 FLASHINFER_REFUSALS = (ValueError, NotImplementedError)
+XQA_PAGE_SIZES = (16, 32, 64, 128)   # trtllm_batch_decode_with_kv_cache's (its ValueError)
 
 
 class FlashInferWrapper(Backend):
@@ -269,6 +271,9 @@ class FlashInferXQA(Backend):
 
     def plan(self, step: StepInputs) -> None:
         step.refuse_variants(self.name, window=False, sinks=False)
+        if step.page_size not in XQA_PAGE_SIZES:   # its run() would refuse it
+            raise Unsupported(f"XQA takes pages of {', '.join(map(str, XQA_PAGE_SIZES))} tokens, "
+                              f"not {step.page_size}")
         self.q_len, self.mask = 1, None
         if step.qo_indptr is not None:
             counts = set(torch.diff(step.qo_indptr).tolist())

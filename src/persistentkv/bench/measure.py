@@ -83,13 +83,13 @@ def measure_step(backend: Backend, step: StepInputs, *, reference: torch.Tensor 
     result = StepTiming(backend=backend.name, status="ok", rows=step.batch_size,
                         tokens=sum(step.seq_lens_host), kv_bytes=kv_bytes_per_layer(step))
     try:
-        backend.plan(step)
+        try:
+            backend.plan(step)
+        except backend.refusals as exc:   # its library's own refusal of the configuration
+            raise Unsupported(f"{type(exc).__name__}: {exc}") from exc
         out = backend.run(0)
     except Unsupported as exc:
-        result.status, result.note = "unsupported", str(exc)
-        return result
-    except backend.refusals as exc:     # its library's own refusal of the configuration
-        result.status, result.note = "unsupported", f"{type(exc).__name__}: {exc}"[:300]
+        result.status, result.note = "unsupported", str(exc)[:300]
         return result
     except Exception as exc:  # noqa: BLE001 - a backend that breaks is reported, not fatal
         result.status, result.note = "failed", f"{type(exc).__name__}: {exc}"[:300]
@@ -184,24 +184,30 @@ def capture_graph(body, *, dump_to: str | None = None) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replay_medians(graphs: list[torch.cuda.CUDAGraph], *, reps: int, warmup: int = 2) -> list[float]:
+def replay_medians(graphs: list[torch.cuda.CUDAGraph], *, reps: int, warmup: int = 2,
+                   busy: bool = True) -> list[float]:
     """Median device time (us) of one replay of each graph (replay_times)."""
-    return [statistics.median(t) for t in replay_times(graphs, reps=reps, warmup=warmup)]
+    return [statistics.median(t) for t in replay_times(graphs, reps=reps, warmup=warmup,
+                                                       busy=busy)]
 
 
-def replay_times(graphs: list[torch.cuda.CUDAGraph], *, reps: int,
-                 warmup: int = 2) -> list[list[float]]:
+def replay_times(graphs: list[torch.cuda.CUDAGraph], *, reps: int, warmup: int = 2,
+                 busy: bool = True) -> list[list[float]]:
     """Device time (us) of each of `reps` replays of each graph after `warmup` rounds, timed with
     CUDA events around each replay; the graphs take turns, round r starting at graph r mod
-    len(graphs), so that a drift of the clocks falls on all alike. An untimed replay of the same
-    graph runs just before each timed one, so that the GPU is busy while the host submits the
-    timed replay: its start event then marks the end of that replay, not the host's launch."""
+    len(graphs), so that a drift of the clocks falls on all alike. busy: an untimed replay of the
+    same graph runs just before each timed one, so that the GPU is busy while the host submits
+    the timed replay, and for a graph that runs longer than the host takes to launch it (the
+    bench's steps: 250 us and more; an empty graph's replay is about 10 us) the time holds no
+    launch. busy=False: the GPU is idle at each start event, and the host's launch is timed
+    (the probes of a graph's floor)."""
     times = [[] for _ in graphs]
     for r in range(warmup + reps):
         for i in range(len(graphs)):
             at = (r + i) % len(graphs)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graphs[at].replay()
+            if busy:
+                graphs[at].replay()
             start.record()
             graphs[at].replay()
             end.record()
@@ -211,9 +217,9 @@ def replay_times(graphs: list[torch.cuda.CUDAGraph], *, reps: int,
     return times
 
 
-def graph_replay_us(body, *, reps: int) -> float:
-    """Median device time (us) of one replay of a CUDA graph that captures body()."""
-    return replay_medians([capture_graph(body)], reps=reps)[0]
+def graph_replay_us(body, *, reps: int, busy: bool = True) -> float:
+    """Median device time (us) of one replay of a CUDA graph that captures body() (replay_times)."""
+    return replay_medians([capture_graph(body)], reps=reps, busy=busy)[0]
 
 
 def bandwidth_ceiling(device: torch.device, *, gib: float = 4.0, reps: int = 10) -> dict:

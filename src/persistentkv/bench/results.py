@@ -24,11 +24,11 @@ FI_BEST = "fi-best"
 _cli_command: list[str] | None = None   # the arguments cli.main parsed (record_command)
 
 
-def record_command(argv: list[str]) -> None:
-    """The command line the results files of this process record: `persistentkv` and the
-    arguments cli.main was given (sys.argv's where it parsed those)."""
+def record_command(argv: list[str] | None) -> None:
+    """The command line the results files record while cli.main runs: `persistentkv` and the
+    arguments it was given (None when it returns: sys.argv's again)."""
     global _cli_command
-    _cli_command = ["persistentkv", *argv]
+    _cli_command = None if argv is None else ["persistentkv", *argv]
 
 
 def run_command() -> list[str]:
@@ -91,7 +91,8 @@ def summarize(measured: Measured, *, ceiling_tbps: float | None) -> list[dict]:
         ok = [s for s in mine if s["status"] == "ok"]
         bad = [s for s in mine if s["status"] != "ok"]
         row = {"case": measured.name, "batch": measured.batch_slots, "layers": measured.layers,
-               "step_layers": step_layers, "backend": name, "status": bad[0]["status"] if bad else "ok",
+               "step_layers": step_layers, "backend": name,
+               "status": bad[0]["status"] if bad else "ok",
                "note": bad[0]["note"] if bad else (ok[0]["note"] if name == FI_BEST and ok else ""),
                "steps": len(ok)}
         if ok and not bad:

@@ -140,7 +140,8 @@ class Measured:
     batch_slots: int
     layers: int                                       # layers the pools have (L2 rotation)
     steps: list[dict] = field(default_factory=list)   # one dict per (step, backend)
-    step_layers: int = 0                              # a model step's layers (0: `layers`)
+    step_layers: int = 0           # layers of a model step as timed eagerly: the options',
+                                   # or `layers` where the memory allowed fewer (0: `layers`)
 
 
 def functional_setup(shape: ModelShape, opts: RunOptions) -> tuple[ModelShape, RunOptions]:
@@ -262,7 +263,7 @@ def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelS
     layers = layers_that_fit(shape, num_pages, opts, read_tokens=read)
     cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
     measured = Measured(name=name, batch_slots=trace.batch_slots, layers=layers,
-                        step_layers=opts.layers)
+                        step_layers=min(opts.layers, layers))
     generator = torch.Generator().manual_seed(opts.seed)
     dead: set[str] = set()
     done = 0
@@ -312,7 +313,7 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
                          torch.Generator().manual_seed(opts.seed),
                          query_counts(opts.q_len, seq_lens, seed=opts.seed), **opts.variants())
     measured = Measured(name=name, batch_slots=len(seq_lens), layers=layers,
-                        step_layers=opts.layers)
+                        step_layers=min(opts.layers, layers))
     for timing in measure_all(backends, inputs, check=True, opts=opts, dead=set()):
         measured.steps.append({"step": 0, **timing.as_dict(), "max_seq_len": max(seq_lens)})
     del inputs
