@@ -42,12 +42,17 @@ def kv_bytes_per_layer(step: StepInputs) -> int:
 
 def read_tokens(step: StepInputs) -> int:
     """Tokens a layer's queries see, summed over the rows."""
-    lens = step.seq_lens_host
-    if step.window_left < 0:
-        return sum(lens)
-    counts = ([1] * len(lens) if step.qo_indptr is None
-              else torch.diff(step.qo_indptr).tolist())
-    return sum(min(n, step.window_left + c) for n, c in zip(lens, counts))
+    counts = None if step.qo_indptr is None else torch.diff(step.qo_indptr).tolist()
+    return tokens_seen(step.seq_lens_host, step.window_left, counts)
+
+
+def tokens_seen(seq_lens: list[int], window_left: int, counts: list[int] | None = None) -> int:
+    """Tokens rows of these lengths read a layer, with query counts per row (default one): all
+    of each row, or under a sliding window its last window_left + count."""
+    if window_left < 0:
+        return sum(seq_lens)
+    counts = counts or [1] * len(seq_lens)
+    return sum(min(n, window_left + c) for n, c in zip(seq_lens, counts))
 
 
 def reference_output(step: StepInputs) -> torch.Tensor:

@@ -18,7 +18,7 @@ from ..checks import check_attention_shape, check_fp32_scale
 from ..quant import FP8, FP8_MAX, SCALE_GRANULARITIES
 from ..queries import MAX_QUERIES_PER_ROW
 from .backends import Backend, StepInputs
-from .measure import StepTiming, measure_step, reference_output, time_graphs
+from .measure import StepTiming, measure_step, reference_output, time_graphs, tokens_seen
 from .traces import Trace, peak_tokens, replay
 
 
@@ -171,11 +171,6 @@ def layers_that_fit(shape: ModelShape, num_pages: int, opts: RunOptions, *,
     return min(layers, int(opts.memory_budget_gb * 1e9 // per_layer))
 
 
-def _read_tokens(seq_lens: list[int], window_left: int) -> int:
-    """Tokens a layer reads for rows of these lengths (one query a row; a window's last ones)."""
-    return sum(seq_lens) if window_left < 0 else sum(min(n, window_left + 1) for n in seq_lens)
-
-
 def make_cache(shape: ModelShape, *, num_pages: int, layers: int, device: torch.device,
                seed: int) -> PagedKVCache:
     torch.manual_seed(seed)
@@ -258,7 +253,7 @@ def run_trace(name: str, trace: Trace, backends: list[Backend], *, shape: ModelS
     busy = [i for i, s in enumerate(steps) if s.rows]
     chosen = set(np.asarray(busy)[np.linspace(0, len(busy) - 1, min(opts.samples, len(busy)))
                                   .round().astype(int)].tolist()) if busy else set()
-    read = min((_read_tokens([n for _, n in steps[i].rows], opts.window_left) for i in chosen),
+    read = min((tokens_seen([n for _, n in steps[i].rows], opts.window_left) for i in chosen),
                default=None)           # the smallest measured step leaves the L2 too
     layers = layers_that_fit(shape, num_pages, opts, read_tokens=read)
     cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
@@ -304,7 +299,7 @@ def run_static(name: str, seq_lens: list[int], backends: list[Backend], *, shape
     """One static batch (a grid cell or a fixed mix), measured like a trace step."""
     num_pages = sum(-(-n // shape.page_size) for n in seq_lens) + 1
     layers = layers_that_fit(shape, num_pages, opts,
-                             read_tokens=_read_tokens(seq_lens, opts.window_left))
+                             read_tokens=tokens_seen(seq_lens, opts.window_left))
     cache = make_cache(shape, num_pages=num_pages, layers=layers, device=device, seed=opts.seed)
     for i, n in enumerate(seq_lens):
         cache.add_sequence(i)
