@@ -406,21 +406,38 @@ def test_a_table_that_can_address_rows_past_int32_is_refused(graph):
     (no tasks, the output untouched) and check() passed. A table able to address more than 2^30
     tokens a row, or a page of more, is refused before anything changes."""
     def i32(*values):
-        return torch.tensor(values, dtype=torch.int32)
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
     heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16)
     wrapper = (DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=1, max_num_pages=4096)
                if graph else DecodeWrapper("NHD"))
-    csr = dict(kv_indptr=i32(0, 2048), kv_indices=torch.zeros(2048, dtype=torch.int32),
+    csr = dict(kv_indptr=i32(0, 2048), kv_indices=torch.zeros(2048, dtype=torch.int32,
+                                                             device=DEVICE),
                kv_last_page_len=i32(2**20))
     with pytest.raises(ValueError, match=r"page_size=1048576 x 2048 kv_indices' entries can "
                                          r"address more than 2\^30 tokens a row"):
         wrapper.plan(**csr, **heads, page_size=2**20, check_page_table=not graph)
-    block = dict(block_table=torch.zeros(1, 4, dtype=torch.int32), seq_lens=i32(3))
+    block = dict(block_table=torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
+                 seq_lens=i32(3))
     with pytest.raises(ValueError, match=r"page_size must be at most 2\^30 tokens, got 2147483648"):
         wrapper.plan(**block, **heads, page_size=2**31)
     with pytest.raises(RuntimeError, match="run\\(\\) called before plan\\(\\)"):
         wrapper.current_plan
     wrapper.plan(**block, **heads, page_size=2**28)          # 2^30 tokens a row: the limit
+
+
+def test_a_host_page_table_is_refused_where_the_kernels_compile_for_a_gpu(monkeypatch):
+    """Outside the interpreter the planner's kernel runs on CUDA tensors only: a page table on the
+    CPU failed inside Triton's launcher ("Pointer argument (at 0) cannot be accessed from
+    Triton"), after the wrapper had taken the plan's options."""
+    monkeypatch.setattr("persistentkv.wrapper.interpreting", lambda: False)
+    case = make_case(seq_lens=[5, 9], **HEADS)
+    block_table, seq_lens = case.table.block_table(torch.device("cpu"))
+    wrapper = DecodeWrapper(case.layout)
+    with pytest.raises(ValueError, match=r"page table is on cpu: the kernels run on a CUDA "
+                                         r"device, or on the CPU under Triton's interpreter"):
+        wrapper.plan(block_table=block_table, seq_lens=seq_lens, **HEADS)
+    with pytest.raises(RuntimeError, match="run\\(\\) called before plan\\(\\)"):
+        wrapper.current_plan
 
 
 def test_q_rows_are_checked_against_each_plan():

@@ -23,7 +23,7 @@ from .planner import DecodePlan, Planner, PlanOptions
 from .policy import Policy
 from .quant import FP8
 from .queries import MAX_QUERIES_PER_ROW, graph_query_layout, host_seq_lens, query_layout
-from .runtime import check_interpreter_numpy, next_power_of_2
+from .runtime import check_interpreter_numpy, interpreting, next_power_of_2
 from .schedule import DETERMINISTIC_SPLIT_TOKENS, MAX_SPLIT_TOKENS, SCHEDULES, Choice
 from .tuning import KernelConfig, default_config
 
@@ -215,6 +215,10 @@ class DecodeWrapper:
             if self._device is not None and table.device != self._device:
                 raise ValueError(f"page table is on {table.device}, but the wrapper was built for "
                                  f"{self._device}")
+            if table.device.type != "cuda" and not interpreting():
+                raise ValueError(f"page table is on {table.device}: the kernels run on a CUDA "
+                                 f"device, or on the CPU under Triton's interpreter "
+                                 f"(TRITON_INTERPRET=1)")
             queries = None
             if qo_indptr is not None and graph:
                 if self.max_queries_per_row == 1:
