@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -196,11 +197,19 @@ class PersistentKV(Backend):
 
 
 def flashinfer_version() -> str | None:
+    """FlashInfer's version, or None where it does not import (flashinfer_import_error says why)."""
+    return None if flashinfer_import_error() else getattr(sys.modules["flashinfer"], "__version__",
+                                                          "unknown")
+
+
+def flashinfer_import_error() -> str | None:
+    """Why FlashInfer does not import ('No module named ...', or the error of an installed one
+    that fails, e.g. a library it cannot load), or None when it does."""
     try:
-        import flashinfer
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
-    return getattr(flashinfer, "__version__", "unknown")
+        import flashinfer  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - any import failure means "not available"
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 # FlashInfer refuses what it does not serve (a page size, a head dim, a group) with these,
@@ -553,6 +562,7 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
         elif name in factories:
             backends.append(factories[name]())
         else:
-            skipped[name] = ("FlashInfer is not installed (pip install 'persistentkv[flashinfer]')"
+            skipped[name] = (f"FlashInfer does not import ({flashinfer_import_error()}; pip "
+                             f"install 'persistentkv[flashinfer]')"
                              if device.type == "cuda" else "FlashInfer needs a GPU")
     return backends, skipped
