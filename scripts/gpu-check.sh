@@ -98,7 +98,14 @@
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
 set -uo pipefail
-gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
+# the model in the device's name: "NVIDIA H200" -> h200, "NVIDIA H100 80GB HBM3" -> h100
+gpu=$(python3 - <<'PY'
+import re, torch
+name = torch.cuda.get_device_name()
+model = re.search(r"\b[A-Z]+\d{2,4}\b", name)
+print((model.group(0) if model else name.split()[-1]).lower())
+PY
+)
 out=${OUT_DIR:-results/$gpu}
 mkdir -p "$out"
 steps=${*:-tests sanitize grid calibrate evaluate}
@@ -106,8 +113,19 @@ backends=pkv-grouped,pkv-split,pkv-balanced,pkv-auto,fi-cuda-core,fi-tensor-core
 kernel_tests='g4-d128-p16-mixed and fp16 or merge_of_many'
 status=0
 repeats=${RUNS:-1 2}   # the runs of the steps that run twice, for the noise (RUNS="2": the second alone)
+wait_for_gpu() {   # a step timed beside another process's kernels (one left running by a
+  local others      # killed caller, say) is wrong: wait up to 2 minutes for the GPU, then warn
+  for _ in $(seq 120); do
+    others=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+    [ -z "$others" ] && return 0
+    sleep 1
+  done
+  echo "WARNING: other processes still use the GPU (pids: $(echo $others)): this step's" \
+       "timings are suspect"
+}
 for step in $steps; do
   echo "== $step"
+  wait_for_gpu
   case $step in
     tests)     # the slowest files alone, the rest spread over the other processes
                groups=("tests/test_decode.py" "tests/test_variants.py" "tests/test_fp8.py"
