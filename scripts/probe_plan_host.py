@@ -59,10 +59,14 @@ def _times(wrapper, kwargs, q, cache, reps: int, fresh: bool, layers: int = 8):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cells", nargs="*", default=["B1 L1K", "B8 L8K"])
+    parser.add_argument("cells", nargs="*", default=["B1 L1K", "B8 L1K"],
+                        help=f"of {', '.join(probe_cells.CELLS)}")
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
+    unknown = [c for c in args.cells if c not in probe_cells.CELLS]
+    if unknown:
+        parser.error(f"unknown cells {unknown}; choose from {list(probe_cells.CELLS)}")
     for cell in args.cells:
         for q_len, fresh in ((1, False), (1, True), (4, False)):
             kwargs, q, cache = _step(cell, q_len)
