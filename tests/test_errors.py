@@ -428,7 +428,7 @@ def test_a_table_that_can_address_rows_past_int32_is_refused(graph):
 def test_a_host_page_table_is_refused_where_the_kernels_compile_for_a_gpu(monkeypatch):
     """Outside the interpreter the planner's kernel runs on CUDA tensors only: a page table on the
     CPU failed inside Triton's launcher ("Pointer argument (at 0) cannot be accessed from
-    Triton"), after the wrapper had taken the plan's options."""
+    Triton"). Now a ValueError that names the device, and no plan is taken."""
     monkeypatch.setattr("persistentkv.wrapper.interpreting", lambda: False)
     case = make_case(seq_lens=[5, 9], **HEADS)
     block_table, seq_lens = case.table.block_table(torch.device("cpu"))
