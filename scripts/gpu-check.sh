@@ -12,7 +12,7 @@
 #                                        q16floor|tp8small|mblocks|mixwaves|d256chunks|tp8b128|
 #                                        wholerows|abtree|padrows|widepad|d256regs|d512q|
 #                                        capregs|policycost|mblockcross|smallstep|smallsweep|
-#                                        d512cross|largerows|valueblocks|e2e ...]
+#                                        d512cross|largerows|valueblocks|valuerows|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -94,6 +94,9 @@
 # d256chunks: gemma2-9b's grid with v42's chunks from 2560-token splits (the default) against
 # the rule before (chunks from 16K), twice; abtree: this tree against another's src folder
 # ($BASE_SRC) over $CELLS with $BENCH_ARGS, alternated twice (v47: the per-token fp8 fix);
+# valuerows: v49's value blocks on 16-row tiles (2 and 4 programs a task's output columns) on
+# the small, latency-bound cells at one and four queries (llama3-8b) and one (gpt-oss-tp8),
+# against the default and FlashInfer's XQA, twice (about 3 minutes);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -371,6 +374,18 @@ for step in $steps; do
                    --backends pkv-auto:smallstep0,pkv-auto,pkv-auto:smallstep1572864 \
                    --out "$out/smallsweep" --tag "$s-q$q" > "$out/smallsweep/$s-q$q-log.txt" 2>&1
                  tail -1 "$out/smallsweep/$s-q$q-log.txt"
+               done ;;
+    valuerows) mkdir -p "$out/valuerows"   # v49: value blocks on 16-row tiles, small steps
+               vb=pkv-auto:valueblocks2:valuerows16,pkv-auto:valueblocks4:valuerows16
+               for i in $repeats; do
+                 for sq in "llama3-8b:1" "llama3-8b:4" "gpt-oss-tp8:1"; do
+                   s=${sq%%:*}; q=${sq#*:}; tag=$s-q$q-$i
+                   timeout 200 python3 -m persistentkv.cli bench --grid --preset $s --q-len $q \
+                     --cells "B1 L1K,B4 L1K,B8 L1K,B4 zipf,B1 L8K,B8 L4K,B32 L1K,B8 L32K" \
+                     --backends pkv-auto,$vb,fi-xqa --out "$out/valuerows" --tag $tag \
+                     > "$out/valuerows/$tag-log.txt" 2>&1
+                   tail -1 "$out/valuerows/$tag-log.txt"
+                 done
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's
                for i in $repeats; do

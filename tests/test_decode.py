@@ -368,7 +368,8 @@ def test_long_tile_config_is_checked():
 
 
 @pytest.mark.parametrize("name", ["num_warps", "num_stages", "programs_per_sm", "value_blocks",
-                                  "min_split_tokens", "block_n", "max_tile_rows"])
+                                  "min_split_tokens", "block_n", "max_tile_rows",
+                                  "value_block_rows"])
 def test_kernel_config_takes_numpy_integers_and_refuses_bools(name):
     """A numpy integer is an int (the same config, hashed alike); True is no count."""
     from persistentkv.tuning import KernelConfig

@@ -400,6 +400,22 @@ def test_value_blocks_every_schedule(backend):
     assert relative_error(lse, ref_lse) <= 1e-4
 
 
+@pytest.mark.parametrize("value_blocks", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_blocks_of_16_row_tiles(backend, value_blocks):
+    """value_block_rows=16 (an experiment for small steps): tiles of 16 rows, one query a row
+    (group 4 padded) and four, share each task's 64 output columns 2 or 4 ways; split into
+    pages, the 300-token row merges 19 partials in two levels, each value block its own."""
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    config = KernelConfig(block_n=32, value_blocks=value_blocks, value_block_rows=16)
+    assert config.head_items(tile_rows=4) == value_blocks
+    assert KernelConfig(value_blocks=value_blocks).head_items(tile_rows=16) == 1
+    case = make_case(seq_lens=[70, 9, 300, 33], **heads, seed=23)
+    for q_lens in ([1, 1, 1, 1], [4, 1, 3, 4]):
+        _check(case, q_lens, backend=backend, heads=heads, config=config,
+               split_pages=1 if backend == "split" else None, seed=24)
+
+
 def test_value_blocks_past_a_head_dim_that_is_not_a_power_of_two():
     """Head dim 48 pads to 64: two value blocks of 32 columns, the second's last 16 masked (8
     queries x group 8: one 64-row program a value block); the 100-token row in splits of a
@@ -419,3 +435,7 @@ def test_value_blocks_must_cut_head_dim_into_blocks_of_16():
                      page_size=16, config=KernelConfig(value_blocks=8))
     with pytest.raises(ValueError, match="value_blocks must be a power of two"):
         KernelConfig(value_blocks=3)
+    for rows in (8, 24):
+        with pytest.raises(ValueError, match=f"KernelConfig.value_block_rows must be a power of "
+                                             f"two >= 16, got {rows}"):
+            KernelConfig(value_block_rows=rows)

@@ -81,6 +81,9 @@ class KernelConfig:
     warp-group MMA's): each reads all of K for the scores and its share of V, and holds its
     share of the accumulator. value_block_stages: those programs' num_stages (None: num_stages),
     so that their tile's shared memory leaves room for programs_per_sm of them.
+    value_block_rows: the fewest rows of a program's tile that value blocks apply to (64: the
+    warp-group MMA's; 16, an experiment for latency-bound small steps: more programs, each with
+    a share of the PV product and of the merge, at the cost of every one computing the scores).
     """
 
     block_n: int = 64
@@ -103,6 +106,7 @@ class KernelConfig:
     large_step_tile_rows: int | None = None
     value_blocks: int = 1
     value_block_stages: int | None = None
+    value_block_rows: int = 64
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -157,8 +161,9 @@ class KernelConfig:
 
     def column_blocks(self, *, tile_rows: int) -> int:
         """Programs that share a task's output columns: value_blocks where a program's tile
-        has 64 rows or more, else 1."""
-        return self.value_blocks if self.program_rows(tile_rows=tile_rows) >= 64 else 1
+        has value_block_rows rows or more, else 1."""
+        rows = self.program_rows(tile_rows=tile_rows)
+        return self.value_blocks if rows >= self.value_block_rows else 1
 
     def stages(self, *, tile_rows: int) -> int:
         """Triton's num_stages for tasks of tile_rows query rows: value_block_stages where the
@@ -233,7 +238,7 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.value_block_stages must be None or a positive int, "
                              f"got {value!r}")
         for name in ("block_n", "fp8_block_n", "long_block_n", "max_tile_rows", "min_tile_rows",
-                     "max_registers_rows", "large_step_tile_rows"):
+                     "max_registers_rows", "large_step_tile_rows", "value_block_rows"):
             value = getattr(self, name)
             if value is None and name != "block_n":
                 continue
