@@ -377,6 +377,7 @@ for step in $steps; do
                done ;;
     valuerows) mkdir -p "$out/valuerows"   # v49: value blocks on 16-row tiles, small steps
                vb=pkv-auto:valueblocks2:valuerows16,pkv-auto:valueblocks4:valuerows16
+               vb=$vb,pkv-auto:valueblocks4:valuerows16:pps4   # 4 blocks fit 4 programs an SM
                for i in $repeats; do
                  for sq in "llama3-8b:1" "llama3-8b:4" "gpt-oss-tp8:1"; do
                    s=${sq%%:*}; q=${sq#*:}; tag=$s-q$q-$i
