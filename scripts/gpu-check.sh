@@ -95,8 +95,8 @@
 # the rule before (chunks from 16K), twice; abtree: this tree against another's src folder
 # ($BASE_SRC) over $CELLS with $BENCH_ARGS, alternated twice (v47: the per-token fp8 fix);
 # valuerows: v49's value blocks on 16-row tiles (2 and 4 programs a task's output columns) on
-# the small, latency-bound cells at one and four queries (llama3-8b) and one (gpt-oss-tp8),
-# against the default and FlashInfer's XQA, twice (about 3 minutes);
+# the small, latency-bound cells at one and four queries (llama3-8b) and one (gpt-oss-tp8,
+# qwen2.5-7b), against the default and FlashInfer's XQA, twice (about 4 minutes a run);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -379,10 +379,10 @@ for step in $steps; do
                vb=pkv-auto:valueblocks2:valuerows16,pkv-auto:valueblocks4:valuerows16
                vb=$vb,pkv-auto:valueblocks4:valuerows16:pps4   # 4 blocks fit 4 programs an SM
                for i in $repeats; do
-                 for sq in "llama3-8b:1" "llama3-8b:4" "gpt-oss-tp8:1"; do
+                 for sq in "llama3-8b:1" "llama3-8b:4" "gpt-oss-tp8:1" "qwen2.5-7b:1"; do
                    s=${sq%%:*}; q=${sq#*:}; tag=$s-q$q-$i
                    timeout 200 python3 -m persistentkv.cli bench --grid --preset $s --q-len $q \
-                     --cells "B1 L1K,B4 L1K,B8 L1K,B4 zipf,B1 L8K,B8 L4K,B32 L1K,B8 L32K" \
+                     --cells "B1 L1K,B4 L1K,B8 L1K,B4 zipf,B1 L8K,B8 L4K,B32 L1K,B128 L1K,B8 L32K" \
                      --backends pkv-auto,$vb,fi-xqa --out "$out/valuerows" --tag $tag \
                      > "$out/valuerows/$tag-log.txt" 2>&1
                    tail -1 "$out/valuerows/$tag-log.txt"
