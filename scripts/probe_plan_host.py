@@ -1,7 +1,7 @@
 """Where plan()'s and run()'s host time goes in eager mode, one query a row against several.
 
-The grids' eager columns put plan() at 20-70 us a step with one query a row and 190-590 us
-with four (llama3-8b on an H100, v48-v49), and run() at 10-15 against about 20 us a layer.
+The grids' eager columns put plan() at 20-70 us a step with one query a row and 218-790 us
+with four (llama3-8b on an H100, v48), and run() at 10-15 against 14-41 us a layer (median 21).
 This times both as the bench does (the device idle before each plan) and profiles the plans
 with cProfile, the functions by their own time.
 Run: PYTHONPATH=src python scripts/probe_plan_host.py [--reps 200] [--top 25] [CELL ...]
