@@ -4,6 +4,7 @@ import json
 import math
 import re
 import shlex
+import sys
 
 import numpy as np
 import pytest
@@ -634,6 +635,31 @@ def test_a_results_file_records_its_command_runnable():
     env = environment(torch.device("cpu"), command=["persistentkv", "bench", "--cells",
                                                     "B1 L1K,B8 zipf"], functional=True)
     assert env["command"] == "persistentkv bench --cells 'B1 L1K,B8 zipf'"
+
+
+def test_a_flashinfer_that_does_not_import_is_skipped_with_its_error(monkeypatch):
+    """FlashInfer's entries on a CUDA device where it does not import are skipped with the import's
+    own error (they said "not installed", which hid a kit left behind and a library that fails
+    to load alike)."""
+    import builtins
+
+    from persistentkv.bench import backends as backends_module
+
+    real_import = builtins.__import__
+
+    def failing_import(name, *args, **kwargs):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            raise ImportError("libcuda.so.1: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    assert backends_module.flashinfer_version() is None
+    built, skipped = make_backends(["per-sequence", "fi-xqa"], layout="HND",
+                                   device=torch.device("cuda"))
+    assert [b.name for b in built] == ["per-sequence"]
+    assert skipped == {"fi-xqa": "FlashInfer does not import (ImportError: libcuda.so.1: cannot "
+                                 "open shared object file; pip install 'persistentkv[flashinfer]')"}
 
 
 def test_a_results_file_records_the_arguments_the_cli_was_given(tmp_path):
