@@ -161,9 +161,11 @@ def test_random_query_counts(data):
                      seed=data.draw(st.integers(0, 2**16), label="seed"))
     split = data.draw(st.integers(1, 4), label="split_pages") if backend == "split" else None
     tile_rows = data.draw(st.sampled_from([None, 16, 32]), label="max_tile_rows")
+    value_blocks = data.draw(st.sampled_from([1, 2]), label="value_blocks")   # on 16-row tiles too
     _check(case, q_lens, backend=backend, split_pages=split, heads=heads,
            table_form=data.draw(st.sampled_from(["csr", "block"]), label="table_form"),
-           config=KernelConfig(block_n=32, max_tile_rows=tile_rows))
+           config=KernelConfig(block_n=32, max_tile_rows=tile_rows, value_blocks=value_blocks,
+                               value_block_rows=16))
 
 
 @pytest.mark.parametrize("indptr, match", [
