@@ -113,10 +113,9 @@ def summarize(measured: Measured, *, ceiling_tbps: float | None) -> list[dict]:
             )
             row["fraction_of_ceiling"] = row["tbps"] / ceiling_tbps if ceiling_tbps else math.nan
         rows.append(row)
-    best = next((r for r in rows if r["backend"] == FI_BEST and r["status"] == "ok"), None)
-    fi_steps = {s["step"]: s for s in steps if s["backend"] == FI_BEST}
+    fi_steps = {s["step"]: s for s in steps if s["backend"] == FI_BEST}   # all ok (_fi_best_steps)
     for r in rows:
-        if best is not None and r["status"] == "ok":
+        if fi_steps and r["status"] == "ok":
             r.update(_speedups([s for s in steps if s["backend"] == r["backend"]], fi_steps))
     return rows
 
