@@ -22,14 +22,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
-from persistentkv.kernels.plan import POLICY_EDGES, plan_kernel
+from persistentkv.kernels.plan import FIRST_PAGE_SLOTS, POLICY_EDGES, plan_kernel
 from persistentkv.schedule import ONE_ROUND_STEPS
-from persistentkv.tuning import default_config
+from persistentkv.tuning import KernelConfig, default_config
 
 triton.knobs.compilation.always_compile = True   # the docstring says why
 
 POINTERS = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "indices_ptr": "*i32",
-            "tasks_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
+            "tasks_ptr": "*i32", "first_pages_ptr": "*i32", "info_ptr": "*i32", "out_ptr": "*fp16",
             "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
             "qo_indptr_ptr": "*i32", "row_lens_ptr": "*i32", "sinks_ptr": "*fp32",
             "kv_scales_ptr": "*fp32"}
@@ -41,7 +41,8 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     tile = cfg.tile_shape(tile_rows=max_queries * group, kv_fp8="kv_fp8" in variants)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    return_lse=False, upcast=False, max_queries=max_queries,
-                                   **tile, **{name: True for name in variants})
+                                   first_pages=cfg.first_pages, **tile,
+                                   **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}
     for name in names:
@@ -71,12 +72,14 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def compile_planner(*, arch: int, csr: bool, policy: bool, q_pad: int):
+def compile_planner(*, arch: int, csr: bool, policy: bool, q_pad: int, first_pages: bool):
     """The planner kernel (kernels/plan.py) as the planner binds it: page 16, 128 rows a block;
     csr: the CSR table (else a block table); policy: the decision table's code; q_pad > 0:
-    graph mode's qo_indptr, counted against a tile of q_pad query tokens."""
+    graph mode's qo_indptr, counted against a tile of q_pad query tokens; first_pages: it copies
+    the tasks' first pages (KernelConfig.first_pages)."""
     constexprs = dict(PAGE_SIZE=16, BLOCK_ROWS=128, BLOCK_SPLITS=32, CSR=csr, POLICY=policy,
-                      ONE_ROUND_STEPS=ONE_ROUND_STEPS, EDGES=POLICY_EDGES, Q_PAD=q_pad)
+                      ONE_ROUND_STEPS=ONE_ROUND_STEPS, EDGES=POLICY_EDGES, Q_PAD=q_pad,
+                      FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages else 0)
     names = plan_kernel.arg_names
     signature = {}
     for name in names:
@@ -182,15 +185,19 @@ def main():
                              "max_registers=none: the compiler's choice)")
     parser.add_argument("--planner", action="store_true",
                         help="the planner kernel instead: CSR and block tables, with the policy's "
-                             "table and without, with graph mode's qo_indptr and without")
+                             "table and without, with graph mode's qo_indptr and without, "
+                             "with the tasks' first pages and without")
     args = parser.parse_args()
     if args.planner:
         for csr in (True, False):
             for policy in (False, True):
                 for q_pad in (0, 4):
-                    k = compile_planner(arch=args.arch, csr=csr, policy=policy, q_pad=q_pad)
-                    print(f"planner csr {int(csr)} policy {int(policy)} q_pad {q_pad}: "
-                          f"{resource_usage(k.asm['cubin'])}; {sass_counts(k.asm['cubin'])}")
+                    for first in (False, True):
+                        k = compile_planner(arch=args.arch, csr=csr, policy=policy, q_pad=q_pad,
+                                            first_pages=first)
+                        print(f"planner csr {int(csr)} policy {int(policy)} q_pad {q_pad} "
+                              f"first pages {int(first)}: {resource_usage(k.asm['cubin'])}; "
+                              f"{sass_counts(k.asm['cubin'])}")
         return
     variants = tuple(v for v in args.variants.split(",") if v)
     shapes = ((4, 128, 1),) if args.quick else ((4, 128, 1), (1, 64, 1), (8, 64, 1), (8, 128, 1),
@@ -200,7 +207,8 @@ def main():
     if args.shape:
         group, head_dim, *queries = (int(x) for x in args.shape.split(","))
         shapes = ((group, head_dim, queries[0] if queries else 1),)
-    fields = {k: None if v == "none" else int(v)
+    flags = {f.name for f in dataclasses.fields(KernelConfig) if f.type in (bool, "bool")}
+    fields = {k: None if v == "none" else bool(int(v)) if k in flags else int(v)
               for k, v in (f.split("=") for f in args.config.split(",") if f)}
     if fields.get("long_block_n") == 0:   # off, as the bench's ':longblockn0'
         fields["long_block_n"] = None

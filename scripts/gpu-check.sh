@@ -12,7 +12,8 @@
 #                                        q16floor|tp8small|mblocks|mixwaves|d256chunks|tp8b128|
 #                                        wholerows|abtree|padrows|widepad|d256regs|d512q|
 #                                        capregs|policycost|mblockcross|smallstep|smallsweep|
-#                                        d512cross|largerows|valueblocks|valuerows|e2e ...]
+#                                        d512cross|largerows|valueblocks|valuerows|firstpages|
+#                                        e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -97,6 +98,9 @@
 # valuerows: v49's value blocks on 16-row tiles (2 and 4 programs a task's output columns) on
 # the small, latency-bound cells at one and four queries (llama3-8b) and one (gpt-oss-tp8,
 # qwen2.5-7b), against the default and FlashInfer's XQA, twice (about 4 minutes a run);
+# firstpages: v50's KernelConfig.first_pages (each task's first pages beside its record) on the
+# same cells at one query (llama3-8b, gpt-oss-tp8, qwen2.5-7b, llama3-70b-tp8) and four
+# (llama3-8b), against the default and XQA, twice;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -386,6 +390,18 @@ for step in $steps; do
                      --backends pkv-auto,$vb,fi-xqa --out "$out/valuerows" --tag $tag \
                      > "$out/valuerows/$tag-log.txt" 2>&1
                    tail -1 "$out/valuerows/$tag-log.txt"
+                 done
+               done ;;
+    firstpages) mkdir -p "$out/firstpages"   # v50: each task's first pages beside its record
+               for i in $repeats; do
+                 for sq in "llama3-8b:1" "gpt-oss-tp8:1" "qwen2.5-7b:1" "llama3-70b-tp8:1" \
+                           "llama3-8b:4"; do
+                   s=${sq%%:*}; q=${sq#*:}; tag=$s-q$q-$i
+                   timeout 200 python3 -m persistentkv.cli bench --grid --preset $s --q-len $q \
+                     --cells "B1 L1K,B4 L1K,B8 L1K,B4 zipf,B1 L8K,B8 L4K,B32 L1K,B128 L1K,B8 L32K" \
+                     --backends pkv-auto,pkv-auto:firstpages1,fi-xqa --out "$out/firstpages" \
+                     --tag $tag > "$out/firstpages/$tag-log.txt" 2>&1
+                   tail -1 "$out/firstpages/$tag-log.txt"
                  done
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's

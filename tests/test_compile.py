@@ -21,13 +21,14 @@ def _compile_check(*args: str) -> list[str]:
 
 def test_planner_kernel_compiles_for_sm90_in_every_form():
     """CSR and block tables, with the policy's table and without, with graph mode's qo_indptr
-    counted and without: the interpreter runs all of them, the compiler must take them too."""
+    counted and without, copying the tasks' first pages and not: the interpreter runs all of
+    them, the compiler must take them too."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT / "src")}
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_check.py"),
                              "--planner"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 8 and all("stack 0 B" in line for line in lines), result.stdout
+    assert len(lines) == 16 and all("stack 0 B" in line for line in lines), result.stdout
 
 
 def test_decode_kernel_compiles_for_sm90_without_spills_and_pipelined():
@@ -36,6 +37,13 @@ def test_decode_kernel_compiles_for_sm90_without_spills_and_pipelined():
         # the K/V loads stay pipelined: a later tile is in flight while one is computed
         # (with the page-index load inside the tile's own iteration this fell to 0)
         assert int(re.search(r"deepest wait_group (\d+)", line).group(1)) >= 1, line
+
+
+def test_decode_kernel_reading_the_first_pages_compiles_pipelined():
+    """KernelConfig.first_pages: the first tile's pages from the planner's copy; no spills, and
+    the K/V loads still pipelined."""
+    line = _compile_check("--config", "first_pages=1")[0]
+    assert "stack 0 B" in line and int(re.search(r"deepest wait_group (\d+)", line).group(1)) >= 1
 
 
 def test_decode_kernel_with_pdl_compiles_with_the_same_resources():

@@ -343,6 +343,60 @@ def test_long_tasks_take_their_own_tile(backend, layout, page):
     check(case, wrapper, out)
 
 
+def _first_pages_expected(plan, indices: torch.Tensor) -> np.ndarray:
+    """What the planner's copy of each task's first pages must hold: the table's entries from the
+    task's first page on (indices: the flat table the planner read), 0 past its last page."""
+    from persistentkv.kernels.plan import FIRST_PAGE_SLOTS
+
+    flat, page = indices.reshape(-1).cpu().numpy(), plan.page_size
+    records = plan.task_records()
+    want = np.zeros((len(records), FIRST_PAGE_SLOTS), dtype=np.int64)
+    for i, (_, _, tok_lo, tok_hi, page_start, *_) in enumerate(records):
+        for j in range(FIRST_PAGE_SLOTS):
+            if (tok_lo // page + j) * page < tok_hi:
+                want[i, j] = flat[page_start + tok_lo // page + j]
+    return want
+
+
+@pytest.mark.parametrize("page, layout, form, slots", [
+    (16, "NHD", "csr", 8), (8, "HND_VT", "block", 8), (64, "HND", "csr", 8),
+    (4, "HND", "block", 0)], ids=["p16-4-pages", "p8-vt-8-pages-block", "p64-in-one-page",
+                                  "p4-16-pages-reads-the-table-block"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_pages_from_the_planner(backend, page, layout, form, slots):
+    """KernelConfig(first_pages=True): the planner copies each task's first pages beside its
+    record, and each task's first K/V tile reads them there (its long tile's too: rows of 700
+    and 300 tokens are long tasks as whole rows). Against the float64 reference, NaN-poisoned,
+    and bitwise equal to the default's output (the same tiles read in the same order); the copy
+    against the table. A first tile of more than FIRST_PAGE_SLOTS pages (page 4: 64 tokens are
+    16 pages) reads the table as before. Split into 2 pages, the tasks outnumber the programs
+    (claimed); balanced, chunks link tasks of several rows."""
+    import dataclasses
+
+    from persistentkv.kernels.decode import decode_constexprs
+    from persistentkv.tuning import KernelConfig
+
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=page)
+    config = KernelConfig(block_n=32, long_block_n=64, long_from_tokens=256, num_stages=2)
+    on = dataclasses.replace(config, first_pages=True)
+    assert decode_constexprs(num_kv_heads=2, group=4, head_dim=64, page_size=page, block_n=32,
+                             long_block_n=64, return_lse=False, upcast=False,
+                             first_pages=True)["FIRST_PAGES"] == slots
+    case = make_case(seq_lens=[700, 40, 300, 5, 129], **heads, layout=layout)
+    table = csr_kwargs(case.table) if form == "csr" else block_kwargs(case.table)
+    outs = []
+    for cfg in (config, on):
+        wrapper = DecodeWrapper(layout)
+        plan = wrapper.plan(**table, **heads, **schedule(backend, max(1, 32 // page)), config=cfg)
+        out = wrapper.run(case.q, case.kv_cache, out=torch.full_like(case.q, float("nan")))
+        check(case, wrapper, out)
+        outs.append(out)
+    indices = table["kv_indices"] if form == "csr" else table["block_table"]
+    got = plan.workspace.first_pages[:plan.info()["num_tasks"]].cpu().numpy()
+    assert np.array_equal(got, _first_pages_expected(plan, indices))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_long_tile_config_is_checked():
     from persistentkv.tuning import KernelConfig
 

@@ -85,11 +85,14 @@ LONG_TILES = KernelConfig(block_n=16, long_block_n=32, long_from_tokens=64, num_
 
 
 @pytest.mark.parametrize("form", ["csr", "block"])
-@pytest.mark.parametrize("config, split_pages", [(None, 2), (LONG_TILES, 6)],
-                         ids=["default", "long-tiles"])
+@pytest.mark.parametrize("config, split_pages", [
+    (None, 2), (LONG_TILES, 6), (KernelConfig(block_n=16, long_block_n=32, long_from_tokens=64,
+                                             num_stages=2, first_pages=True), 6)],
+    ids=["default", "long-tiles", "long-tiles-first-pages"])
 def test_graph_mode_plan_matches_reference_as_the_batch_changes(form, config, split_pages):
     """One graph-mode wrapper over three batches; with long tiles, the 96-token splits take the
-    long loop and the rows' shorter last splits the short one, in the same plan."""
+    long loop and the rows' shorter last splits the short one, in the same plan (and with
+    first_pages, each task's first tile from the planner's copy of an unchecked table)."""
     cache, static = _cache(), StaticTable()
     wrapper = _graph_wrapper(form)
     q = torch.randn(MAX_B, 8, 64, dtype=torch.float16, device=DEVICE)
@@ -265,10 +268,16 @@ def test_graph_mode_argument_checks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA graphs")
+@pytest.mark.parametrize("first_pages", [False, True], ids=["", "first-pages"])
 @pytest.mark.parametrize("form", ["csr", "block"])
-def test_one_captured_graph_replays_a_whole_trace(form):
+def test_one_captured_graph_replays_a_whole_trace(form, first_pages):
     """Capture plan + run once; replay over a trace whose batch grows, shrinks and turns over,
-    changing only the page-table tensors' contents; check every step against the reference."""
+    changing only the page-table tensors' contents; check every step against the reference
+    (with first_pages, each task's first pages come from the planner's copy)."""
+    import dataclasses
+
+    from persistentkv.tuning import default_config
+
     max_b, max_pages, width = 8, 16384, 4096      # rows of up to 64K tokens in the block form
     heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
     cache = PagedKVCache(num_layers=1, num_pages=max_pages, page_size=16, num_kv_heads=8,
@@ -287,6 +296,8 @@ def test_one_captured_graph_replays_a_whole_trace(form):
                             max_num_pages=max_pages if form == "csr" else max_b * width)
     q = torch.randn(max_b, 32, 128, dtype=torch.float16, device="cuda")
     out = torch.zeros_like(q)
+    config = dataclasses.replace(default_config(head_dim=128, num_kv_heads=8),
+                                 first_pages=first_pages)
     graph = None
     checked = 0
     for step in replay(trace):
@@ -307,12 +318,12 @@ def test_one_captured_graph_replays_a_whole_trace(form):
             s["lens"].zero_(); s["lens"][:b] = lens
             q.normal_()
             if graph is None:          # warm-up outside the capture, then capture once
-                wrapper.plan(**kwargs, **heads)
+                wrapper.plan(**kwargs, **heads, config=config)
                 wrapper.run(q, cache.pools[0], out=out)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    wrapper.plan(**kwargs, **heads)
+                    wrapper.plan(**kwargs, **heads, config=config)
                     wrapper.run(q, cache.pools[0], out=out)
             graph.replay()
             torch.cuda.synchronize()

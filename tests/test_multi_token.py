@@ -165,7 +165,8 @@ def test_random_query_counts(data):
     _check(case, q_lens, backend=backend, split_pages=split, heads=heads,
            table_form=data.draw(st.sampled_from(["csr", "block"]), label="table_form"),
            config=KernelConfig(block_n=32, max_tile_rows=tile_rows, value_blocks=value_blocks,
-                               value_block_rows=16))
+                               value_block_rows=16,
+                               first_pages=data.draw(st.booleans(), label="first_pages")))
 
 
 @pytest.mark.parametrize("indptr, match", [

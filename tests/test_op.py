@@ -7,35 +7,40 @@ import torch
 from paged_case import ON_GPU, csr_kwargs, make_case
 from persistentkv import TOLERANCE, DecodeWrapper, reference_decode, relative_error
 from persistentkv.op import guard_pages, paged_decode
+from persistentkv.tuning import KernelConfig
 
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
 
-def planned(backend="split", layout="HND"):
+def planned(backend="split", layout="HND", first_pages=False):
     case = make_case(seq_lens=[70, 3, 40], **HEADS, layout=layout)
     wrapper = DecodeWrapper(layout)
     wrapper.plan(**csr_kwargs(case.table), **HEADS, backend=backend,
-                 split_pages=2 if backend == "split" else None)
+                 split_pages=2 if backend == "split" else None,
+                 config=KernelConfig(first_pages=True) if first_pages else None)
     return case, wrapper
 
 
-@pytest.mark.parametrize("backend", ["split", "grouped"])
-def test_opcheck(backend):
+@pytest.mark.parametrize("backend, first_pages", [("split", False), ("grouped", False),
+                                                  ("split", True)],
+                         ids=["split", "grouped", "split-first-pages"])
+def test_opcheck(backend, first_pages):
     """The op on the plan's public buffers (plan.workspace), called as traced_decode calls it."""
-    case, w = planned(backend)
+    case, w = planned(backend, first_pages=first_pages)
     plan, pool = w.current_plan, case.kv_cache
     ws, cfg = plan.workspace, plan.config
     w.run(case.q, pool)               # a trusted table: the first run() makes the guarded copy
     args = (case.q, pool, pool, plan.indices, plan.indices, None, None, 1.0, 1.0, ws.tasks,
-            ws.info, ws.part_o,
+            ws.first_pages, ws.info, ws.part_o,
             ws.part_lse, ws.counters, ws.row_lens,
             [pool.stride(0), pool.stride(2), pool.stride(3), pool.stride(1)],
             plan.sm_scale, plan.num_kv_heads, plan.page_size, plan.programs, cfg.block_n,
             cfg.num_warps, cfg.num_stages, 1, -1, 0.0)
-    torch.library.opcheck(paged_decode, args,
+    kwargs = dict(read_first_pages=cfg.first_pages)
+    torch.library.opcheck(paged_decode, args, kwargs,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     ref, _ = reference_decode(case.q, pool, layout="HND", **csr_kwargs(case.table))
-    assert relative_error(paged_decode(*args), ref) <= TOLERANCE[torch.float16]
+    assert relative_error(paged_decode(*args, **kwargs), ref) <= TOLERANCE[torch.float16]
     assert int(ws.counters.abs().sum()) == 0 and int(ws.info[3]) == 0
 
 
@@ -56,9 +61,11 @@ def test_opcheck_guard_pages():
     assert torch.equal(plan.indices[:guard.extent], want) and int(plan.workspace.info[6]) == 1
 
 
-@pytest.mark.parametrize("layout", ["HND", "NHD", "HND_VT"])
-def test_torch_compile_fullgraph(layout):
-    case, w = planned("split", layout)
+@pytest.mark.parametrize("layout, first_pages", [("HND", False), ("NHD", False),
+                                                 ("HND_VT", False), ("HND", True)],
+                         ids=["HND", "NHD", "HND_VT", "HND-first-pages"])
+def test_torch_compile_fullgraph(layout, first_pages):
+    case, w = planned("split", layout, first_pages=first_pages)
     backend = "inductor" if ON_GPU else "aot_eager"   # the CPU suite skips inductor's C++ build
 
     @torch.compile(fullgraph=True, backend=backend)

@@ -1,5 +1,7 @@
 """Property tests (hypothesis): decode on random problems against the float64 reference, the page
 allocator as a state machine, and the page table's two export forms agreeing with each other."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from paged_case import ON_GPU, block_kwargs, csr_kwargs, make_case
 from persistentkv import (BACKENDS, TOLERANCE, DecodeWrapper, OutOfPagesError, PageAllocator,
                           PagedKVCache, reference_decode, relative_error)
+from persistentkv.tuning import default_config
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -38,6 +41,7 @@ def decode_problems(draw):
         split_pages=(draw(st.none() | st.integers(1, 8), label="split_pages")
                      if backend == "split" else None),
         table_form=draw(st.sampled_from(["csr", "block_table"]), label="table_form"),
+        first_pages=draw(st.booleans(), label="first_pages"),
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
     )
 
@@ -54,7 +58,10 @@ def test_decode_matches_reference_on_random_problems(p):
     wrapper = DecodeWrapper(p["layout"])
     wrapper.plan(**table, num_qo_heads=p["num_qo_heads"], num_kv_heads=p["num_kv_heads"],
                  head_dim=p["head_dim"], page_size=p["page_size"], backend=p["backend"],
-                 split_pages=p["split_pages"])
+                 split_pages=p["split_pages"],
+                 config=dataclasses.replace(default_config(head_dim=p["head_dim"],
+                                                           num_kv_heads=p["num_kv_heads"]),
+                                            first_pages=p["first_pages"]))
     out = torch.full_like(case.q, float("nan"))
     result = wrapper.run(case.q, case.kv_cache, out=out)
     assert result is out

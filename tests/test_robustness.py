@@ -224,13 +224,17 @@ def test_a_page_table_on_the_meta_device_is_refused(form):
         DecodeWrapper("NHD").plan(**kwargs, **HEADS, check_page_table=True)
 
 
+@pytest.mark.parametrize("first_pages", [False, True], ids=["", "first-pages"])
 @pytest.mark.parametrize("form", ["csr", "block"])
 @pytest.mark.parametrize("bad_page", [10**6, -5])
-def test_out_of_pool_page_indices_read_page_0_and_are_counted(form, bad_page):
+def test_out_of_pool_page_indices_read_page_0_and_are_counted(form, bad_page, first_pages):
     """A trusted page table with an entry outside the pool: run() reads page 0 in its place (no
     read outside the pool; the row is what the table with page 0 there gives), the other rows
-    are right, and check() names the count once per step however many layers ran."""
+    are right, and check() names the count once per step however many layers ran. With
+    first_pages, the bad entry is a task's first page, which the planner copies unchecked and
+    the decode kernel clamps."""
     from paged_case import block_kwargs
+    from persistentkv.tuning import KernelConfig
 
     case = make_case(seq_lens=[40, 70, 33], **HEADS)
     pages = [p.copy() for p in case.table.row_pages]
@@ -241,7 +245,8 @@ def test_out_of_pool_page_indices_read_page_0_and_are_counted(form, bad_page):
     as_read = PageTable(row_pages=tuple(pages), seq_lens=case.table.seq_lens, page_size=16)
     wrapper = DecodeWrapper("NHD")
     wrapper.check()                                          # nothing planned yet: nothing to say
-    wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1)
+    config = KernelConfig(first_pages=True) if first_pages else None
+    wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1, config=config)
     for _ in range(2):                                       # two layers: one copy, one count
         out = torch.full_like(case.q, float("nan"))
         wrapper.run(case.q, case.kv_cache, out=out)
@@ -251,7 +256,7 @@ def test_out_of_pool_page_indices_read_page_0_and_are_counted(form, bad_page):
                        match=r"^since the last check\(\), 1 used page-table entries were outside"):
         wrapper.check()
     wrapper.check()                                          # reset: quiet until the next one
-    wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1)
+    wrapper.plan(**kwargs, **HEADS, backend="split", split_pages=1, config=config)
     wrapper.run(case.q, case.kv_cache)                       # a new step copies and counts again
     with pytest.raises(ValueError, match=r"^since the last check\(\), 1 used page-table entries"):
         wrapper.check()

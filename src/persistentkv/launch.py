@@ -208,9 +208,9 @@ class DecodeLauncher:
         strides = (q.stride(0), q.stride(1), out_strides[0], out_strides[1], stride_page, stride_head,
                    stride_tok, stride_kv)
         ws = plan.workspace
-        fixed = (ws.tasks, ws.info, ws.part_o, ws.part_lse, ws.counters, ws.row_lens, *strides,
-                 plan.sm_scale * LOG2_E, q.shape[0], plan.window_left,
-                 plan.logits_soft_cap or 1.0)
+        fixed = (ws.tasks, ws.first_pages, ws.info, ws.part_o, ws.part_lse, ws.counters,
+                 ws.row_lens, *strides, plan.sm_scale * LOG2_E, q.shape[0], plan.window_left,
+                 plan.logits_soft_cap or 1.0, k.shape[0])
         group = plan.num_qo_heads // plan.num_kv_heads
         max_queries = 1 if plan.queries is None else plan.queries.max_per_row
         cfg = plan.config
@@ -221,7 +221,7 @@ class DecodeLauncher:
             max_queries=max_queries,
             window=plan.window_left >= 0, soft_cap=plan.logits_soft_cap > 0,
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
-            v_transposed=self.kv_layout == "HND_VT",
+            v_transposed=self.kv_layout == "HND_VT", first_pages=cfg.first_pages,
             **cfg.tile_shape(tile_rows=max_queries * group, kv_fp8=fp8))
         max_registers = cfg.registers(tile_rows=max_queries * group)
         num_stages = cfg.stages(tile_rows=max_queries * group)

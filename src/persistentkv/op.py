@@ -20,7 +20,7 @@ from .runtime import interpreting
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                  qo_indptr: torch.Tensor, sinks: torch.Tensor | None,
                  kv_scales: torch.Tensor | None, k_scale: float, v_scale: float,
-                 tasks: torch.Tensor, info: torch.Tensor,
+                 tasks: torch.Tensor, first_pages: torch.Tensor, info: torch.Tensor,
                  part_o: torch.Tensor, part_lse: torch.Tensor, counters: torch.Tensor,
                  row_lens: torch.Tensor, cache_strides: list[int], sm_scale: float,
                  num_kv_heads: int, page_size: int, programs: int, block_n: int, num_warps: int,
@@ -28,7 +28,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                  logits_soft_cap: float, pdl: bool = False,
                  v_transposed: bool = False, max_registers: int | None = None,
                  long_block_n: int = 0, long_from_tokens: int = 0,
-                 m_blocks: int = 1, g_pad: int = 0, d_blocks: int = 1) -> torch.Tensor:
+                 m_blocks: int = 1, g_pad: int = 0, d_blocks: int = 1,
+                 read_first_pages: bool = False) -> torch.Tensor:
     """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
     max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
     sinks None: off; an fp8 k, v: scaled by k_scale and v_scale, or per token by kv_scales;
@@ -36,7 +37,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     V's blocks in the HND_VT layout; max_registers: Triton's maxnreg, None for the compiler's
     choice; long_block_n, long_from_tokens: the tile of long tasks, 0 for none; m_blocks:
     programs that share a task's tile rows; g_pad: rows of a program's tile, 0 for the
-    tile's own; d_blocks: programs that share a task's output columns).
+    tile's own; d_blocks: programs that share a task's output columns; read_first_pages: the
+    first K/V tile's pages from the planner's copy in first_pages, KernelConfig.first_pages).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
 
@@ -49,10 +51,10 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
         return out
     paged_decode_kernel[(programs,)](
         q, k, v, out, out, indices, qo_indptr, indices if sinks is None else sinks,
-        indices if kv_scales is None else kv_scales, k_scale, v_scale, tasks, info,
+        indices if kv_scales is None else kv_scales, k_scale, v_scale, tasks, first_pages, info,
         part_o, part_lse, counters, row_lens, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), *cache_strides, sm_scale * LOG2_E, total, window_left,
-        logits_soft_cap or 1.0,
+        logits_soft_cap or 1.0, k.shape[0],
         **decode_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
                             head_dim=head_dim, page_size=page_size, block_n=block_n,
                             return_lse=False, upcast=interpreting(), max_queries=max_queries,
@@ -61,7 +63,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                             token_scales=kv_scales is not None, pdl=pdl,
                             v_transposed=v_transposed, long_block_n=long_block_n,
                             long_from_tokens=long_from_tokens, m_blocks=m_blocks,
-                            g_pad=g_pad or None, d_blocks=d_blocks),
+                            g_pad=g_pad or None, d_blocks=d_blocks,
+                            first_pages=read_first_pages),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": max_registers} if max_registers is not None and not interpreting() else {}))
     return out
@@ -69,11 +72,12 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
 
 @paged_decode.register_fake
 def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, kv_scales, k_scale, v_scale, tasks,
-                       info, part_o, part_lse, counters,
+                       first_pages, info, part_o, part_lse, counters,
                        row_lens, cache_strides, sm_scale, num_kv_heads, page_size, programs,
                        block_n, num_warps, num_stages, max_queries, window_left, logits_soft_cap,
                        pdl=False, v_transposed=False, max_registers=None, long_block_n=0,
-                       long_from_tokens=0, m_blocks=1, g_pad=0, d_blocks=1):
+                       long_from_tokens=0, m_blocks=1, g_pad=0, d_blocks=1,
+                       read_first_pages=False):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -121,7 +125,7 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
     return paged_decode(q, k, v, plan.indices,
                         plan.indices if queries is None else queries.indptr, sinks, kv_scales,
                         1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale,
-                        ws.tasks, ws.info,
+                        ws.tasks, ws.first_pages, ws.info,
                         ws.part_o, ws.part_lse, ws.counters, ws.row_lens, strides, plan.sm_scale,
                         plan.num_kv_heads, plan.page_size, plan.programs,
                         tile["block_n"], cfg.num_warps, cfg.stages(tile_rows=tile_rows),
@@ -130,4 +134,4 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                         plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT",
                         cfg.registers(tile_rows=tile_rows), tile["long_block_n"],
                         tile["long_from_tokens"], tile["m_blocks"], tile["g_pad"],
-                        tile["d_blocks"])
+                        tile["d_blocks"], cfg.first_pages)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernels.plan import INFO_FIELDS, POLICY_EDGES, TASK_FIELDS, plan_kernel
+from .kernels.plan import FIRST_PAGE_SLOTS, INFO_FIELDS, POLICY_EDGES, TASK_FIELDS, plan_kernel
 from .guard import PageGuard, guarded_extent
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
@@ -54,7 +54,9 @@ class PlanOptions:
 
 
 class Workspace:
-    """A planner's device buffers, grow-only: task records int32 [capacity, 8], plan info int32
+    """A planner's device buffers, grow-only: task records int32 [capacity, 8], each task's first
+    K/V tile's page indices int32 [capacity, FIRST_PAGE_SLOTS] (KernelConfig.first_pages), plan
+    info int32
     [9] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks,
     and check()'s three counts: used entries outside the pool, rows cut to their table, rows
     whose query counts the tile cannot hold),
@@ -69,11 +71,13 @@ class Workspace:
     taken for later ones); `serial` tells workspaces apart (an id() is reused once a workspace
     is freed). A plan that fails after reserve() puts the buffers back (snapshot, restore)."""
 
-    BUFFERS = ("tasks", "info", "part_o", "part_lse", "counters", "safe_pages", "row_lens")
+    BUFFERS = ("tasks", "first_pages", "info", "part_o", "part_lse", "counters", "safe_pages",
+               "row_lens")
 
     def __init__(self, device: torch.device):
         self.device = device
         self.tasks = torch.zeros(0, TASK_FIELDS, dtype=torch.int32, device=device)
+        self.first_pages = torch.zeros(0, FIRST_PAGE_SLOTS, dtype=torch.int32, device=device)
         self.info = torch.zeros(INFO_FIELDS, dtype=torch.int32, device=device)
         self.part_o = torch.empty(0, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(0, dtype=torch.float32, device=device)
@@ -129,6 +133,7 @@ class Workspace:
         if self.tasks.shape[0] < tasks:
             tasks = -(-tasks // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
             grown["tasks"] = torch.zeros(tasks, TASK_FIELDS, **zeros)
+            grown["first_pages"] = torch.zeros(tasks, FIRST_PAGE_SLOTS, **zeros)
         partial_tasks = -(-max(partial_tasks, 1) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
         slots = partial_tasks * partial_heads
         if self.part_lse.numel() < slots * value_blocks or self.part_o.numel() < slots * head_dim:
@@ -308,8 +313,9 @@ class Planner:
                                  "build a new DecodeWrapper")
             ws.reserve(**need)
         block_rows = next_power_of_2(max(table.rows, 1))
-        leading = (*table.leading, table.rows, table.num_indices, table.row_stride, table.width)
-        align = tuple(t.data_ptr() % 16 for t in table.leading)
+        tables = (*table.leading, table.indices)   # the planner's tensors
+        leading = (*tables, table.rows, table.num_indices, table.row_stride, table.width)
+        align = tuple(t.data_ptr() % 16 for t in tables)
         trusted_queries = None if queries is None or queries.total is not None else queries.indptr
         bind_key = (ws.serial, ws.generation, options, config.max_tile_rows, device, table.csr,
                     block_rows, align, q_pad,
@@ -339,7 +345,7 @@ class Planner:
             launch_key=(ws.serial, ws.generation, options, config.max_tile_rows, programs,
                         table.max_page, q_pad,
                         None if queries is None else queries.indptr.data_ptr() % 16))
-        call = (leading, [*(t.data_ptr() for t in table.leading), *leading[3:]])
+        call = (leading, [*(t.data_ptr() for t in tables), *leading[len(tables):]])
         launch.with_pointers(*call)
         on_device = ((queries is None or queries.total is None)
                      and all(t is None or t.device == device for t in tensors))
@@ -418,11 +424,13 @@ class Planner:
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
                           ONE_ROUND_STEPS=ONE_ROUND_STEPS if config.one_round else 0,
-                          EDGES=POLICY_EDGES, Q_PAD=0 if trusted_queries is None else q_pad)
+                          EDGES=POLICY_EDGES, Q_PAD=0 if trusted_queries is None else q_pad,
+                          FIRST_PAGES=FIRST_PAGE_SLOTS if config.first_pages else 0)
         key = (*constexprs.values(), table.device.index, *align,   # Triton specializes on
                None if trusted_queries is None else trusted_queries.data_ptr() % 16)   # alignment
         return self._launcher.bind(grid=(block_rows,), key=key,
-                                   fixed=(edges, dense, ws.tasks, ws.info, ws.row_lens, ws.capacity,
+                                   fixed=(edges, dense, ws.tasks, ws.first_pages, ws.info,
+                                          ws.row_lens, ws.capacity,
                                           ws.partial_capacity(
                                               partial_heads=options.num_qo_heads * q_pad,
                                               head_dim=options.head_dim,

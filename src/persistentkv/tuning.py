@@ -84,6 +84,11 @@ class KernelConfig:
     value_block_rows: the fewest rows of a program's tile that value blocks apply to (64: the
     warp-group MMA's; 16, an experiment for latency-bound small steps: more programs, each with
     a share of the PV product and of the merge, at the cost of every one computing the scores).
+    first_pages: the planner also writes each task's first K/V tile's page indices beside its
+    record (kernels/plan.py), and the decode kernel reads them from there: its first K/V load
+    waits on one dependent read (the record's) instead of two (the record's, then the page
+    table's). Where a task's first tile spans more than kernels.plan.FIRST_PAGE_SLOTS pages
+    (small pages, long tiles) the kernel reads the page table as before.
     """
 
     block_n: int = 64
@@ -107,6 +112,7 @@ class KernelConfig:
     value_blocks: int = 1
     value_block_stages: int | None = None
     value_block_rows: int = 64
+    first_pages: bool = False
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -254,7 +260,7 @@ class KernelConfig:
         if self.long_block_n is not None and self.long_block_n <= self.block_n:
             raise ValueError(f"KernelConfig.long_block_n must be None or above block_n "
                              f"({self.block_n}), got {self.long_block_n!r}")
-        for name in ("one_round", "pdl"):
+        for name in ("one_round", "pdl", "first_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         value = self.max_registers

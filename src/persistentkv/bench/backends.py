@@ -447,7 +447,8 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "largerows": ("large_step_tile_rows", lambda text: int(text) or None),
                    "valueblocks": ("value_blocks", int),
                    "valuestages": ("value_block_stages", lambda text: int(text) or None),
-                   "valuerows": ("value_block_rows", int)}
+                   "valuerows": ("value_block_rows", int),
+                   "firstpages": ("first_pages", {"0": False, "1": True}.__getitem__)}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -528,7 +529,8 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     tile in half; 0: never), ':largerowsR' (steps known to hold more run tiles of R rows or
     more as M-blocks of R; 0: never), ':valueblocksV' (programs of 64 rows or more share a
     task's output columns V ways), ':valuestagesS' (their stages; 0: the config's),
-    ':valuerowsR' (value blocks from tiles of R rows, not 64), e.g.
+    ':valuerowsR' (value blocks from tiles of R rows, not 64), ':firstpages0|1' (the planner
+    writes each task's first tile's pages beside its record), e.g.
     'pkv-split@16:warps8', 'pkv-auto:pps3'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..runtime import interpreting, next_power_of_2
 from .merge import merge_partials
+from .plan import FIRST_PAGE_SLOTS
 from .softmax import online_softmax_step
 
 ONE_LEVEL_SPLITS = tl.constexpr(16)   # rows of more splits merge in two levels (_merge_split)
@@ -26,9 +27,9 @@ HW_TANH = tl.constexpr(not interpreting())   # _tanh: the hardware instruction, 
 
 
 class Task(NamedTuple):
-    """One planner record (kernels/plan.py): tokens [tok_lo, tok_hi) of row `row`, split `split`
-    of the row's num_splits; the row's pages from indices[page_start]; its partials from slot
-    slot_start (-1: the row is this one task)."""
+    """One planner record (kernels/plan.py), record `record`: tokens [tok_lo, tok_hi) of row
+    `row`, split `split` of the row's num_splits; the row's pages from indices[page_start]; its
+    partials from slot slot_start (-1: the row is this one task)."""
     row: tl.tensor
     split: tl.tensor
     tok_lo: tl.tensor
@@ -36,6 +37,7 @@ class Task(NamedTuple):
     page_start: tl.tensor
     slot_start: tl.tensor
     num_splits: tl.tensor
+    record: tl.tensor
 
 
 class Buffers(NamedTuple):
@@ -53,6 +55,7 @@ class Buffers(NamedTuple):
     part_lse: tl.tensor
     counters: tl.tensor
     row_lens: tl.tensor
+    first_pages: tl.tensor
 
 
 class Strides(NamedTuple):
@@ -75,6 +78,7 @@ class Scalars(NamedTuple):
     num_q_rows: tl.tensor
     window_left: tl.tensor
     soft_cap: tl.tensor
+    num_pages: tl.tensor
 
 
 class Tile(NamedTuple):
@@ -92,6 +96,7 @@ class Tile(NamedTuple):
     G_MERGE: tl.constexpr
     M_BLOCKS: tl.constexpr
     D_BLOCKS: tl.constexpr
+    FIRST_PAGES: tl.constexpr
 
 
 class Features(NamedTuple):
@@ -135,9 +140,9 @@ def _whole_pages(start, offs_n, tok_hi, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_lo, tok_hi, limit,
-                  lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap, strides, tile,
-                  feat, BLOCK_N: tl.constexpr):
+def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first_pages, num_pages,
+                  tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
+                  soft_cap, strides, tile, feat, BLOCK_N: tl.constexpr):
     """Unnormalized state (acc [G_PAD, DV_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi):
     the scores from all of q and K (offs_d), the output's columns offs_dv of V (DV_PAD of them:
     the tile's D_PAD over its D_BLOCKS), in tiles of BLOCK_N tokens (strides: Strides, tile: Tile,
@@ -147,6 +152,11 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     d * PAGE_SIZE + s), read with a page's tokens contiguous. It relies on tok_lo being a whole
     page (the planner cuts at pages) and PAGE_SIZE a power of two (the layout's check), so that
     a tile's slots are known from its offsets.
+
+    FIRST_PAGES (tile.FIRST_PAGES > 0): the first tile's pages come from first_pages (the task's
+    FIRST_PAGES entries that the planner copied from the table, kernels/plan.py), each outside
+    [0, num_pages) read as page 0 (the page guard's rule: the planner copies the table before
+    the guard does), the later tiles' from the table.
 
     CAUSAL (several queries a row): tile row r sees positions <= limit[r] only;
     WINDOW: positions >= lower[r] only.
@@ -176,7 +186,11 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, tok_l
     else:
         tok = tok_lo + offs_n
         pages, in_pages = tok // PAGE_SIZE, tok < tok_hi
-    page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
+    if tile.FIRST_PAGES > 0:   # one dependent load less before the first K/V tile
+        page = tl.load(first_pages + (pages - tok_lo // PAGE_SIZE), mask=in_pages, other=0)
+        page = tl.where((page >= 0) & (page < num_pages), page, 0)
+    else:
+        page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
         if feat.V_T:
             start = tl.multiple_of(start, PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N)
@@ -288,22 +302,23 @@ def _decode_task(task, head_item, buffers, strides, scalars, tile, feat):
     k_head, v_head = buffers.k + head_off, buffers.v + strides.kv + head_off
     scales_head = buffers.kv_scales + kv_head * tile.PAGE_SIZE
     pages = task.page_start.to(tl.int64)
+    first_pages = buffers.first_pages + task.record.to(tl.int64) * tile.FIRST_PAGES
     if tile.BLOCK_N_LONG > 0:  # a task of at least LONG_FROM tokens reads tiles of BLOCK_N_LONG
         if tok_hi - tok_lo >= tile.LONG_FROM:
             acc, m_i, l_i = _attend_range(
-                q, k_head, v_head, scales_head, buffers.indices, pages, tok_lo, tok_hi, limit,
-                lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, scalars.soft_cap, strides,
-                tile, feat, tile.BLOCK_N_LONG)
+                q, k_head, v_head, scales_head, buffers.indices, pages, first_pages,
+                scalars.num_pages, tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv,
+                dv_mask, scale_log2, scalars.soft_cap, strides, tile, feat, tile.BLOCK_N_LONG)
         else:
             acc, m_i, l_i = _attend_range(
-                q, k_head, v_head, scales_head, buffers.indices, pages, tok_lo, tok_hi, limit,
-                lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, scalars.soft_cap, strides,
-                tile, feat, tile.BLOCK_N)
+                q, k_head, v_head, scales_head, buffers.indices, pages, first_pages,
+                scalars.num_pages, tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv,
+                dv_mask, scale_log2, scalars.soft_cap, strides, tile, feat, tile.BLOCK_N)
     else:
         acc, m_i, l_i = _attend_range(
-            q, k_head, v_head, scales_head, buffers.indices, pages, tok_lo, tok_hi, limit, lower,
-            offs_d, d_mask, offs_dv, dv_mask, scale_log2, scalars.soft_cap, strides, tile, feat,
-            tile.BLOCK_N)
+            q, k_head, v_head, scales_head, buffers.indices, pages, first_pages, scalars.num_pages,
+            tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
+            scalars.soft_cap, strides, tile, feat, tile.BLOCK_N)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     if feat.KV_FP8:                         # and a per-tensor V scale into the output
@@ -485,17 +500,17 @@ def _load_task(tasks_ptr, record, valid):
     task = Task(tl.load(rec, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
                 tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
                 tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
-                tl.load(rec + 6, mask=valid, other=0))
+                tl.load(rec + 6, mask=valid, other=0), record)
     return task, tl.load(rec + 7, mask=valid, other=-1)
 
 
-@triton.jit(do_not_specialize=["num_q_rows", "window_left"])
+@triton.jit(do_not_specialize=["num_q_rows", "window_left", "num_pages"])
 def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr,
                         sinks_ptr, kv_scales_ptr, k_scale, v_scale,
-                        tasks_ptr, info_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
-                        stride_qb, stride_qh, stride_ob, stride_oh,
+                        tasks_ptr, first_pages_ptr, info_ptr, part_o_ptr, part_lse_ptr,
+                        counters_ptr, row_lens_ptr, stride_qb, stride_qh, stride_ob, stride_oh,
                         stride_page, stride_head, stride_tok, stride_kv, scale_log2, num_q_rows,
-                        window_left, soft_cap,
+                        window_left, soft_cap, num_pages,
                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_PAD: tl.constexpr,
                         G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, G_MERGE: tl.constexpr,
@@ -503,7 +518,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         SOFT_CAP: tl.constexpr, SINKS: tl.constexpr, KV_FP8: tl.constexpr,
                         TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
                         BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr,
-                        M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr):
+                        M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr,
+                        FIRST_PAGES: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -528,18 +544,23 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     PDL (launched with programmatic dependent launch): the kernel may start before the one ahead
     of it on the stream has finished; it waits for that kernel's writes first of all
     (griddepcontrol.wait), so that every load, the task records' included, sees them.
+    FIRST_PAGES > 0: first_pages int32 [capacity, FIRST_PAGES] holds each record's first pages
+    as the planner copied them from the table (KernelConfig.first_pages), which the first K/V
+    tile reads instead of the table; num_pages: the pool's pages (they are clamped to it).
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
     HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS * D_BLOCKS
     buffers = Buffers(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
-                      kv_scales_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr)
+                      kv_scales_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
+                      first_pages_ptr)
     strides = Strides(stride_qb, stride_qh, stride_ob, stride_oh, stride_page, stride_head,
                       stride_tok, stride_kv)
-    scalars = Scalars(k_scale, v_scale, scale_log2, num_q_rows, window_left, soft_cap)
+    scalars = Scalars(k_scale, v_scale, scale_log2, num_q_rows, window_left, soft_cap, num_pages)
     # constexpr tuples stay compile-time only when annotated so
     tile: tl.constexpr = Tile(NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE,
-                              BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS)
+                              BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS,
+                              FIRST_PAGES)
     feat: tl.constexpr = Features(RETURN_LSE, UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8,
                                   TOKEN_SCALES, V_T)
     programs = tl.num_programs(0)
@@ -574,7 +595,8 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       token_scales: bool = False, pdl: bool = False,
                       v_transposed: bool = False, long_block_n: int = 0,
                       long_from_tokens: int = 0, m_blocks: int = 1,
-                      g_pad: int | None = None, d_blocks: int = 1) -> dict:
+                      g_pad: int | None = None, d_blocks: int = 1,
+                      first_pages: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -585,7 +607,9 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     for every task; KernelConfig.long_tile_tokens); m_blocks: programs that share a task's
     tile rows (KernelConfig.row_blocks); g_pad: rows of one program's tile (None: the tile's
     rows over m_blocks, at least 16; KernelConfig.program_rows pads them); d_blocks: programs
-    that share a task's output columns, head_dim / d_blocks each (KernelConfig.value_blocks)."""
+    that share a task's output columns, head_dim / d_blocks each (KernelConfig.value_blocks);
+    first_pages: the first K/V tile's pages come from the planner's copy
+    (KernelConfig.first_pages), where a tile spans at most FIRST_PAGE_SLOTS pages."""
     rows = next_power_of_2(max_queries * group)
     if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
         raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
@@ -607,4 +631,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 WINDOW=window, SOFT_CAP=soft_cap, SINKS=sinks, KV_FP8=kv_fp8,
                 TOKEN_SCALES=token_scales, PDL=pdl, V_T=v_transposed, BLOCK_N_LONG=long_block_n,
                 LONG_FROM=long_from_tokens if long_block_n else 0, M_BLOCKS=m_blocks,
-                D_BLOCKS=d_blocks)
+                D_BLOCKS=d_blocks,
+                FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages and -(-max(block_n, long_block_n)
+                                                                 // page_size) <= FIRST_PAGE_SLOTS
+                else 0)

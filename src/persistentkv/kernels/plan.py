@@ -15,6 +15,7 @@ INFO_FIELDS = 9   # int32 plan info: (task count, split tokens, choice code, cla
                   # entries outside the pool (the page guard's), rows whose lengths the table
                   # cannot hold, rows whose query counts the tile cannot hold (the last two added
                   # to by every plan); the last three are reset by check() only)
+FIRST_PAGE_SLOTS = 8   # page indices of a task's first K/V tile kept beside its record (at most)
 BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
 POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 
@@ -62,33 +63,55 @@ def _policy_code(edges_ptr, codes_ptr, active_rows, max_len, total, n_len_bins, 
 
 
 @triton.jit
-def _write_tasks(tasks_ptr, row, seq_len, num_splits, first_full, last_at, page_start, slot_start,
-                 split, fits, BLOCK_SPLITS: tl.constexpr):
-    """Row `row`'s task records: splits 0 .. num_splits - 2 at first_full + j, the last at last_at."""
+def _write_first_pages(first_pages_ptr, indices_ptr, at, page_start, tok_lo, tok_hi, mask,
+                       PAGE_SIZE: tl.constexpr, FIRST_PAGES: tl.constexpr):
+    """Records `at` [S, 1] (tasks of tokens [tok_lo, tok_hi), their row's pages from
+    indices[page_start]): the page indices of their first FIRST_PAGES pages, as the table holds
+    them, to first_pages[at] (int32 [capacity, FIRST_PAGES]; 0 past a task's last page)."""
+    slot = tl.arange(0, FIRST_PAGES)[None, :]
+    page = tok_lo // PAGE_SIZE + slot                                                  # [S, P]
+    entry = tl.load(indices_ptr + page_start.to(tl.int64) + page,
+                    mask=mask & (page * PAGE_SIZE < tok_hi), other=0)
+    tl.store(first_pages_ptr + at.to(tl.int64) * FIRST_PAGES + slot, entry, mask=mask)
+
+
+@triton.jit
+def _write_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, seq_len, num_splits, first_full,
+                 last_at, page_start, slot_start, split, fits, PAGE_SIZE: tl.constexpr,
+                 BLOCK_SPLITS: tl.constexpr, FIRST_PAGES: tl.constexpr):
+    """Row `row`'s task records: splits 0 .. num_splits - 2 at first_full + j, the last at last_at
+    (and with FIRST_PAGES, their first pages: _write_first_pages)."""
     fields = tl.arange(0, 8)[None, :]
     for s in tl.range(0, num_splits, BLOCK_SPLITS):
         j = s + tl.arange(0, BLOCK_SPLITS)[:, None]                                # [S, 1]
         at = tl.where(j < num_splits - 1, first_full + j, last_at)
         tok_lo = j * split
+        tok_hi = tl.minimum(tok_lo + split, seq_len)
         record = tl.where(fields == 0, row, j)
         record = tl.where(fields == 2, tok_lo, record)
-        record = tl.where(fields == 3, tl.minimum(tok_lo + split, seq_len), record)
+        record = tl.where(fields == 3, tok_hi, record)
         record = tl.where(fields == 4, page_start, record)
         record = tl.where(fields == 5, slot_start, record)
         record = tl.where(fields == 6, num_splits, record)
         record = tl.where(fields == 7, -1, record)
         tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record, mask=(j < num_splits) & fits)
+        if FIRST_PAGES > 0:
+            _write_first_pages(first_pages_ptr, indices_ptr, at, page_start, tok_lo, tok_hi,
+                               (j < num_splits) & fits, PAGE_SIZE, FIRST_PAGES)
 
 
 @triton.jit
-def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pages, first_chunk,
-                         chunk, total_pages, cont_at, next_cont_at, mid, page_start, slot_start,
-                         fits, PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+def _write_chunked_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, seq_len, num_segments,
+                         row_off, row_pages, first_chunk, chunk, total_pages, cont_at,
+                         next_cont_at, mid, page_start, slot_start, fits,
+                         PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                         FIRST_PAGES: tl.constexpr):
     """Row `row`'s tasks of a balanced plan: its pages [row_off, row_off + row_pages) of the
     step's page stream, cut at multiples of `chunk` pages. Segment j lies in chunk
     first_chunk + j; the task that starts a chunk is record c, a row's first segment that starts
     inside a chunk is the continuation record cont_at; the row's last segment links to the next
-    row's continuation (next_cont_at) when that row starts inside the same chunk."""
+    row's continuation (next_cont_at) when that row starts inside the same chunk. With
+    FIRST_PAGES, their first pages too (_write_first_pages)."""
     fields = tl.arange(0, 8)[None, :]
     row_end = row_off + row_pages
     for s in tl.range(0, num_segments, BLOCK_SPLITS):
@@ -98,14 +121,18 @@ def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pag
         hi = tl.minimum(row_end, (c + 1) * chunk) - row_off
         at = tl.where((j == 0) & mid, cont_at, c)
         linked = (j == num_segments - 1) & (row_end % chunk != 0) & (row_end < total_pages)
+        tok_hi = tl.minimum(hi * PAGE_SIZE, seq_len)
         record = tl.where(fields == 0, row, j)
         record = tl.where(fields == 2, lo * PAGE_SIZE, record)
-        record = tl.where(fields == 3, tl.minimum(hi * PAGE_SIZE, seq_len), record)
+        record = tl.where(fields == 3, tok_hi, record)
         record = tl.where(fields == 4, page_start, record)
         record = tl.where(fields == 5, slot_start, record)
         record = tl.where(fields == 6, num_segments, record)
         record = tl.where(fields == 7, tl.where(linked, next_cont_at, -1), record)
         tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record, mask=(j < num_segments) & fits)
+        if FIRST_PAGES > 0:
+            _write_first_pages(first_pages_ptr, indices_ptr, at, page_start, lo * PAGE_SIZE,
+                               tok_hi, (j < num_segments) & fits, PAGE_SIZE, FIRST_PAGES)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
@@ -113,17 +140,21 @@ def _write_chunked_tasks(tasks_ptr, row, seq_len, num_segments, row_off, row_pag
                                "chunk_target", "min_split_tokens", "balanced_from_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins",
                                "window_tokens"])
-def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_table_stride,
-                block_table_width, edges_ptr, codes_ptr, tasks_ptr, info_ptr, row_lens_ptr,
+def plan_kernel(indptr_ptr, last_ptr, lens_ptr, indices_ptr, num_rows, num_indices,
+                block_table_stride, block_table_width, edges_ptr, codes_ptr, tasks_ptr,
+                first_pages_ptr, info_ptr, row_lens_ptr,
                 task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
                 whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
                 window_tokens, qo_indptr_ptr,
                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
-                EDGES: tl.constexpr, Q_PAD: tl.constexpr):
+                EDGES: tl.constexpr, Q_PAD: tl.constexpr, FIRST_PAGES: tl.constexpr):
     """Program b writes row b's tasks and its length (row_lens[b], the causal mask of several
-    query tokens reads it); program 0 also writes the plan info.
+    query tokens reads it); program 0 also writes the plan info. FIRST_PAGES > 0: it also copies
+    each task's first FIRST_PAGES page indices from the table (indices: kv_indices, or the
+    block table) to first_pages[record] (int32 [capacity, FIRST_PAGES]), unchecked (the decode
+    kernel clamps them as the page guard does).
 
     Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
     pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
@@ -202,12 +233,14 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
     tl.store(row_lens_ptr + row, my_len, mask=row < num_rows)
     if code == BALANCED:
         num_tasks, split, num_chunks, fits = _plan_balanced(
-            tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity, partial_capacity,
-            chunk_target, min_split_tokens, PAGE_SIZE, BLOCK_SPLITS)
+            tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, row, my_len, my_start,
+            task_capacity, partial_capacity, chunk_target, min_split_tokens, PAGE_SIZE,
+            BLOCK_SPLITS, FIRST_PAGES)
     else:
-        num_tasks, fits = _plan_splits(tasks_ptr, lens, active, mine, row, my_len, my_start, split,
-                                       task_capacity, partial_capacity, BLOCK_ROWS,
-                                       BLOCK_SPLITS)
+        num_tasks, fits = _plan_splits(tasks_ptr, first_pages_ptr, indices_ptr, lens, active,
+                                       mine, row, my_len, my_start, split, task_capacity,
+                                       partial_capacity, PAGE_SIZE, BLOCK_ROWS, BLOCK_SPLITS,
+                                       FIRST_PAGES)
         num_chunks = num_tasks * 0
     if row == 0:
         tl.store(info_ptr, tl.where(fits, num_tasks, 0))
@@ -224,9 +257,10 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, num_rows, num_indices, block_tab
 
 
 @triton.jit
-def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_capacity,
-                   partial_capacity, chunk_target, min_split_tokens, PAGE_SIZE: tl.constexpr,
-                   BLOCK_SPLITS: tl.constexpr):
+def _plan_balanced(tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, row, my_len,
+                   my_start, task_capacity, partial_capacity, chunk_target, min_split_tokens,
+                   PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                   FIRST_PAGES: tl.constexpr):
     """The balanced rule (schedule.py): the rows' pages end to end, in chunks of
     max(min_split_tokens, total / chunk_target) pages. A row cut in two or more segments has
     slots for their partials, in row order. Returns (tasks, chunk tokens, chunks, whether the
@@ -249,17 +283,20 @@ def _plan_balanced(tasks_ptr, lens, active, mine, row, my_len, my_start, task_ca
     my_mid = tl.sum(tl.where(mine, mid.to(tl.int32), 0), axis=0) > 0
     my_mids = tl.sum(tl.where(mine, mids_through, 0), axis=0)
     my_slot = tl.where(my_segments > 1, tl.sum(tl.where(mine, base, 0), axis=0), -1)
-    _write_chunked_tasks(tasks_ptr, row, my_len, my_segments, tl.sum(tl.where(mine, off, 0), axis=0),
+    _write_chunked_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, my_len, my_segments,
+                         tl.sum(tl.where(mine, off, 0), axis=0),
                          tl.sum(tl.where(mine, pages, 0), axis=0),
                          tl.sum(tl.where(mine, first_chunk, 0), axis=0), chunk, total_pages,
                          num_chunks + my_mids - my_mid.to(tl.int32), num_chunks + my_mids, my_mid,
-                         my_start, my_slot, fits, PAGE_SIZE, BLOCK_SPLITS)
+                         my_start, my_slot, fits, PAGE_SIZE, BLOCK_SPLITS, FIRST_PAGES)
     return num_tasks, chunk * PAGE_SIZE, num_chunks, fits
 
 
 @triton.jit
-def _plan_splits(tasks_ptr, lens, active, mine, row, my_len, my_start, split, task_capacity,
-                 partial_capacity, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+def _plan_splits(tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, row, my_len,
+                 my_start, split, task_capacity, partial_capacity, PAGE_SIZE: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                 FIRST_PAGES: tl.constexpr):
     """Splits of `split` tokens: every row's splits but its last in row order, then the rows' last
     splits, longest first; a row of two or more has slots for their partials, in row order.
     Returns (tasks, whether the tasks and their partials fit)."""
@@ -280,6 +317,6 @@ def _plan_splits(tasks_ptr, lens, active, mine, row, my_len, my_start, split, ta
     longer = active & ((last_len > my_last) | ((last_len == my_last) & (offs < row)))
     last_at = tl.sum(full, axis=0) + tl.sum(longer.to(tl.int32), axis=0)
 
-    _write_tasks(tasks_ptr, row, my_len, my_splits, my_first, last_at, my_start, my_slot, split,
-                 fits, BLOCK_SPLITS)
+    _write_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, my_len, my_splits, my_first,
+                 last_at, my_start, my_slot, split, fits, PAGE_SIZE, BLOCK_SPLITS, FIRST_PAGES)
     return num_tasks, fits
