@@ -394,8 +394,8 @@ for step in $steps; do
                done ;;
     firstpages) mkdir -p "$out/firstpages"   # v50: each task's first pages beside its record
                for i in $repeats; do
-                 for sq in "llama3-8b:1" "gpt-oss-tp8:1" "qwen2.5-7b:1" "llama3-70b-tp8:1" \
-                           "llama3-8b:4"; do
+                 for sq in "gpt-oss-tp8:1" "llama3-8b:1" "qwen2.5-7b:1" "llama3-8b:4" \
+                           "llama3-70b-tp8:1"; do
                    s=${sq%%:*}; q=${sq#*:}; tag=$s-q$q-$i
                    timeout 200 python3 -m persistentkv.cli bench --grid --preset $s --q-len $q \
                      --cells "B1 L1K,B4 L1K,B8 L1K,B4 zipf,B1 L8K,B8 L4K,B32 L1K,B128 L1K,B8 L32K" \
