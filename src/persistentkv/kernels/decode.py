@@ -27,9 +27,10 @@ HW_TANH = tl.constexpr(not interpreting())   # _tanh: the hardware instruction, 
 
 
 class Task(NamedTuple):
-    """One planner record (kernels/plan.py), record `record`: tokens [tok_lo, tok_hi) of row
-    `row`, split `split` of the row's num_splits; the row's pages from indices[page_start]; its
-    partials from slot slot_start (-1: the row is this one task)."""
+    """One planner record (kernels/plan.py): tokens [tok_lo, tok_hi) of row `row`, split `split`
+    of the row's num_splits; the row's pages from indices[page_start]; its partials from slot
+    slot_start (-1: the row is this one task). With first pages (Tile.FIRST_PAGES), the pages
+    of its first tile of BLOCK_N tokens, and of BLOCK_N_LONG (_load_task)."""
     row: tl.tensor
     split: tl.tensor
     tok_lo: tl.tensor
@@ -37,7 +38,8 @@ class Task(NamedTuple):
     page_start: tl.tensor
     slot_start: tl.tensor
     num_splits: tl.tensor
-    record: tl.tensor
+    first_pages: tl.tensor
+    first_pages_long: tl.tensor
 
 
 class Buffers(NamedTuple):
@@ -55,7 +57,6 @@ class Buffers(NamedTuple):
     part_lse: tl.tensor
     counters: tl.tensor
     row_lens: tl.tensor
-    first_pages: tl.tensor
 
 
 class Strides(NamedTuple):
@@ -78,7 +79,6 @@ class Scalars(NamedTuple):
     num_q_rows: tl.tensor
     window_left: tl.tensor
     soft_cap: tl.tensor
-    num_pages: tl.tensor
 
 
 class Tile(NamedTuple):
@@ -140,9 +140,9 @@ def _whole_pages(start, offs_n, tok_hi, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first_pages, num_pages,
-                  tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
-                  soft_cap, strides, tile, feat, BLOCK_N: tl.constexpr):
+def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first_pages, tok_lo,
+                  tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, soft_cap,
+                  strides, tile, feat, BLOCK_N: tl.constexpr):
     """Unnormalized state (acc [G_PAD, DV_PAD], m [G_PAD], l [G_PAD]) over tokens [tok_lo, tok_hi):
     the scores from all of q and K (offs_d), the output's columns offs_dv of V (DV_PAD of them:
     the tile's D_PAD over its D_BLOCKS), in tiles of BLOCK_N tokens (strides: Strides, tile: Tile,
@@ -153,10 +153,8 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first
     page (the planner cuts at pages) and PAGE_SIZE a power of two (the layout's check), so that
     a tile's slots are known from its offsets.
 
-    FIRST_PAGES (tile.FIRST_PAGES > 0): the first tile's pages come from first_pages (the task's
-    FIRST_PAGES entries that the planner copied from the table, kernels/plan.py), each outside
-    [0, num_pages) read as page 0 (the page guard's rule: the planner copies the table before
-    the guard does), the later tiles' from the table.
+    FIRST_PAGES (tile.FIRST_PAGES > 0): the first tile's pages are first_pages [BLOCK_N], loaded
+    with the task's record (_load_task), the later tiles' from the table.
 
     CAUSAL (several queries a row): tile row r sees positions <= limit[r] only;
     WINDOW: positions >= lower[r] only.
@@ -186,9 +184,8 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first
     else:
         tok = tok_lo + offs_n
         pages, in_pages = tok // PAGE_SIZE, tok < tok_hi
-    if tile.FIRST_PAGES > 0:   # one dependent load less before the first K/V tile
-        page = tl.load(first_pages + (pages - tok_lo // PAGE_SIZE), mask=in_pages, other=0)
-        page = tl.where((page >= 0) & (page < num_pages), page, 0)
+    if tile.FIRST_PAGES > 0:   # loaded beside the record: one dependent load less
+        page = first_pages
     else:
         page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
@@ -302,23 +299,22 @@ def _decode_task(task, head_item, buffers, strides, scalars, tile, feat):
     k_head, v_head = buffers.k + head_off, buffers.v + strides.kv + head_off
     scales_head = buffers.kv_scales + kv_head * tile.PAGE_SIZE
     pages = task.page_start.to(tl.int64)
-    first_pages = buffers.first_pages + task.record.to(tl.int64) * tile.FIRST_PAGES
     if tile.BLOCK_N_LONG > 0:  # a task of at least LONG_FROM tokens reads tiles of BLOCK_N_LONG
         if tok_hi - tok_lo >= tile.LONG_FROM:
             acc, m_i, l_i = _attend_range(
-                q, k_head, v_head, scales_head, buffers.indices, pages, first_pages,
-                scalars.num_pages, tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv,
-                dv_mask, scale_log2, scalars.soft_cap, strides, tile, feat, tile.BLOCK_N_LONG)
+                q, k_head, v_head, scales_head, buffers.indices, pages, task.first_pages_long,
+                tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
+                scalars.soft_cap, strides, tile, feat, tile.BLOCK_N_LONG)
         else:
             acc, m_i, l_i = _attend_range(
-                q, k_head, v_head, scales_head, buffers.indices, pages, first_pages,
-                scalars.num_pages, tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv,
-                dv_mask, scale_log2, scalars.soft_cap, strides, tile, feat, tile.BLOCK_N)
+                q, k_head, v_head, scales_head, buffers.indices, pages, task.first_pages,
+                tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
+                scalars.soft_cap, strides, tile, feat, tile.BLOCK_N)
     else:
         acc, m_i, l_i = _attend_range(
-            q, k_head, v_head, scales_head, buffers.indices, pages, first_pages, scalars.num_pages,
-            tok_lo, tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2,
-            scalars.soft_cap, strides, tile, feat, tile.BLOCK_N)
+            q, k_head, v_head, scales_head, buffers.indices, pages, task.first_pages, tok_lo,
+            tok_hi, limit, lower, offs_d, d_mask, offs_dv, dv_mask, scale_log2, scalars.soft_cap,
+            strides, tile, feat, tile.BLOCK_N)
     l_safe = tl.where(g_mask, l_i, 1.0)
     o = acc / l_safe[:, None]
     if feat.KV_FP8:                         # and a per-tensor V scale into the output
@@ -493,14 +489,37 @@ def _merge_split(o, lse2, task, head_item, q_start, n_q, part_rows, offs_d, mask
 
 
 @triton.jit
-def _load_task(tasks_ptr, record, valid):
+def _first_pages(first_pages_ptr, record, valid, num_pages, PAGE_SIZE: tl.constexpr,
+                 FIRST_PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The pages of a task's first tile of BLOCK_N tokens (a page per token) from the planner's
+    copy, first_pages[record] (its address is the record's index: the load is issued beside the
+    record's own; tasks start at whole pages, and the planner wrote 0 past a task's last page),
+    each outside [0, num_pages) read as page 0 (the page guard's rule: the planner copies the
+    table before the guard does)."""
+    page = tl.load(first_pages_ptr + record.to(tl.int64) * FIRST_PAGES
+                   + tl.arange(0, BLOCK_N) // PAGE_SIZE, mask=valid, other=0)
+    return tl.where((page >= 0) & (page < num_pages), page, 0)
+
+
+@triton.jit
+def _load_task(tasks_ptr, first_pages_ptr, record, valid, num_pages, tile):
     """Task record -> (Task, the record of the next task in its chunk or -1): independent loads
-    from one 32-byte record; zeros (and -1) where not valid."""
+    from one 32-byte record (and with tile.FIRST_PAGES, its first tiles' pages from the
+    planner's copy, _first_pages); zeros (and -1) where not valid."""
     rec = tasks_ptr + record.to(tl.int64) * 8
+    first = record * 0
+    first_long = first
+    if tile.FIRST_PAGES > 0:
+        first = _first_pages(first_pages_ptr, record, valid, num_pages, tile.PAGE_SIZE,
+                             tile.FIRST_PAGES, tile.BLOCK_N)
+        first_long = first
+        if tile.BLOCK_N_LONG > 0:
+            first_long = _first_pages(first_pages_ptr, record, valid, num_pages, tile.PAGE_SIZE,
+                                      tile.FIRST_PAGES, tile.BLOCK_N_LONG)
     task = Task(tl.load(rec, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
                 tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
                 tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
-                tl.load(rec + 6, mask=valid, other=0), record)
+                tl.load(rec + 6, mask=valid, other=0), first, first_long)
     return task, tl.load(rec + 7, mask=valid, other=-1)
 
 
@@ -552,11 +571,10 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         tl.extra.cuda.gdc_wait()
     HEAD_ITEMS: tl.constexpr = NUM_KV_HEADS * M_BLOCKS * D_BLOCKS
     buffers = Buffers(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_indptr_ptr, sinks_ptr,
-                      kv_scales_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr,
-                      first_pages_ptr)
+                      kv_scales_ptr, part_o_ptr, part_lse_ptr, counters_ptr, row_lens_ptr)
     strides = Strides(stride_qb, stride_qh, stride_ob, stride_oh, stride_page, stride_head,
                       stride_tok, stride_kv)
-    scalars = Scalars(k_scale, v_scale, scale_log2, num_q_rows, window_left, soft_cap, num_pages)
+    scalars = Scalars(k_scale, v_scale, scale_log2, num_q_rows, window_left, soft_cap)
     # constexpr tuples stay compile-time only when annotated so
     tile: tl.constexpr = Tile(NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE,
                               BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS,
@@ -567,7 +585,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     item = tl.program_id(0)
     head_item = item % HEAD_ITEMS
     # the first task record loads beside the task count, not after it
-    task, nxt = _load_task(tasks_ptr, item // HEAD_ITEMS, True)
+    task, nxt = _load_task(tasks_ptr, first_pages_ptr, item // HEAD_ITEMS, True, num_pages, tile)
     num_items = tl.load(info_ptr) * HEAD_ITEMS
     chained = tl.load(info_ptr + 5) * HEAD_ITEMS
     if (chained > 0) | (num_items <= programs):
@@ -577,7 +595,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         if item < tl.where(chained > 0, chained, num_items):
             _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
             while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
-                task, nxt = _load_task(tasks_ptr, nxt, True)
+                task, nxt = _load_task(tasks_ptr, first_pages_ptr, nxt, True, num_pages, tile)
                 _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
     else:
         while item < num_items:
@@ -586,7 +604,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
             if claim == num_items - 1:       # the last of the launch's num_items claims
                 tl.atomic_xchg(info_ptr + 3, 0, sem="relaxed", scope="gpu")
             item = programs + claim
-            task, nxt = _load_task(tasks_ptr, item // HEAD_ITEMS, item < num_items)
+            task, nxt = _load_task(tasks_ptr, first_pages_ptr, item // HEAD_ITEMS,
+                                   item < num_items, num_pages, tile)
 
 
 def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size: int, block_n: int,
