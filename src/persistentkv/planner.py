@@ -56,10 +56,9 @@ class PlanOptions:
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], each task's first
     K/V tile's page indices int32 [capacity, FIRST_PAGE_SLOTS] (KernelConfig.first_pages), plan
-    info int32
-    [9] (task count, split tokens, choice code, claim counter, tasks that did not fit, chunks,
-    and check()'s three counts: used entries outside the pool, rows cut to their table, rows
-    whose query counts the tile cannot hold),
+    info int32 [9] (task count, split tokens, choice code, claim counter, tasks that did not fit,
+    chunks, and check()'s three counts: used entries outside the pool, rows cut to their table,
+    rows whose query counts the tile cannot hold),
     partial outputs [slots * Hq * D] fp32 words (the kernel keeps them in the output's dtype,
     in the first half where it is 16-bit) and lse fp32 [slots * Hq * value blocks], with slots
     the partial capacity (tasks of rows cut in two or more: schedule.partial_bound), merge
