@@ -370,7 +370,8 @@ def test_first_pages_from_the_planner(backend, page, layout, form, slots):
     and bitwise equal to the default's output (the same tiles read in the same order); the copy
     against the table. A first tile of more than FIRST_PAGE_SLOTS pages (page 4: 64 tokens are
     16 pages) reads the table as before. Split into 2 pages, the tasks outnumber the programs
-    (claimed); balanced, chunks link tasks of several rows."""
+    of the interpreter's 4 SMs (claimed; one round on a GPU); balanced, chunks link tasks of
+    several rows."""
     import dataclasses
 
     from persistentkv.kernels.decode import decode_constexprs
