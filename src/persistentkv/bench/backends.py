@@ -430,13 +430,14 @@ class PerSequence(Backend):
         return torch.cat(outs)
 
 
+_FLAG = {"0": False, "1": True}.__getitem__   # a suffix's 0 or 1, as a bool
 # ':<key><value>' suffixes of our backends' names: a KernelConfig field and how its value is read
 CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "pps": ("programs_per_sm", int), "waves": ("waves", float),
-                   "oneround": ("one_round", {"0": False, "1": True}.__getitem__),
+                   "oneround": ("one_round", _FLAG),
                    "minsplit": ("min_split_tokens", int), "blockn": ("block_n", int),
                    "fp8blockn": ("fp8_block_n", int), "balfrom": ("balanced_from_tokens", int),
-                   "pdl": ("pdl", {"0": False, "1": True}.__getitem__),
+                   "pdl": ("pdl", _FLAG),
                    "maxreg": ("max_registers", lambda text: int(text) or None),
                    "maxregrows": ("max_registers_rows", lambda text: int(text) or None),
                    "longblockn": ("long_block_n", lambda text: int(text) or None),
@@ -448,7 +449,7 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "valueblocks": ("value_blocks", int),
                    "valuestages": ("value_block_stages", lambda text: int(text) or None),
                    "valuerows": ("value_block_rows", int),
-                   "firstpages": ("first_pages", {"0": False, "1": True}.__getitem__)}
+                   "firstpages": ("first_pages", _FLAG)}
 
 
 def _override_suffix(overrides: dict) -> str:
