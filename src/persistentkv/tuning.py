@@ -89,6 +89,9 @@ class KernelConfig:
     waits on one dependent read (the record's) instead of two (the record's, then the page
     table's). Where a task's first tile spans more than kernels.plan.FIRST_PAGE_SLOTS pages
     (small pages, long tiles) the kernel reads the page table as before.
+    prefetch_next_task: in a balanced plan, a program loads its chunk's next task record (and
+    with first_pages, its first pages) before it runs the task ahead of it, so that moving on
+    to the next task waits on no read (a few registers more, held through the task).
     """
 
     block_n: int = 64
@@ -113,6 +116,7 @@ class KernelConfig:
     value_block_stages: int | None = None
     value_block_rows: int = 64
     first_pages: bool = False
+    prefetch_next_task: bool = False
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -260,7 +264,7 @@ class KernelConfig:
         if self.long_block_n is not None and self.long_block_n <= self.block_n:
             raise ValueError(f"KernelConfig.long_block_n must be None or above block_n "
                              f"({self.block_n}), got {self.long_block_n!r}")
-        for name in ("one_round", "pdl", "first_pages"):
+        for name in ("one_round", "pdl", "first_pages", "prefetch_next_task"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         value = self.max_registers
