@@ -77,10 +77,11 @@ def compile_planner(*, arch: int, csr: bool, policy: bool, q_pad: int, first_pag
     """The planner kernel (kernels/plan.py) as the planner binds it: page 16, 128 rows a block;
     csr: the CSR table (else a block table); policy: the decision table's code; q_pad > 0:
     graph mode's qo_indptr, counted against a tile of q_pad query tokens; first_pages: it copies
-    the tasks' first pages (KernelConfig.first_pages)."""
+    the tasks' first pages (KernelConfig.first_pages), and with q_pad its rows' queries."""
     constexprs = dict(PAGE_SIZE=16, BLOCK_ROWS=128, BLOCK_SPLITS=32, CSR=csr, POLICY=policy,
                       ONE_ROUND_STEPS=ONE_ROUND_STEPS, EDGES=POLICY_EDGES, Q_PAD=q_pad,
-                      FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages else 0)
+                      FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages else 0,
+                      QUERY_FIELDS=q_pad if first_pages else 0)
     names = plan_kernel.arg_names
     signature = {}
     for name in names:

@@ -375,6 +375,7 @@ def test_first_pages_from_the_planner(backend, page, layout, form, slots):
     import dataclasses
 
     from persistentkv.kernels.decode import decode_constexprs
+    from persistentkv.kernels.plan import FIRST_PAGE_SLOTS
     from persistentkv.tuning import KernelConfig
 
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=page)
@@ -393,7 +394,7 @@ def test_first_pages_from_the_planner(backend, page, layout, form, slots):
         check(case, wrapper, out)
         outs.append(out)
     indices = table["kv_indices"] if form == "csr" else table["block_table"]
-    got = plan.workspace.first_pages[:plan.info()["num_tasks"]].cpu().numpy()
+    got = plan.workspace.first_pages[:plan.info()["num_tasks"], :FIRST_PAGE_SLOTS].cpu().numpy()
     assert np.array_equal(got, _first_pages_expected(plan, indices))
     assert torch.equal(outs[0], outs[1])
 

@@ -15,6 +15,11 @@ from persistentkv.tuning import KernelConfig
 HEADS = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
 
 
+def schedule(backend) -> dict:
+    """plan()'s schedule options: splits of 2 pages where the backend takes a split."""
+    return dict(backend=backend, split_pages=2 if backend == "split" else None)
+
+
 def _check(case, q_lens, *, backend, table_form="csr", split_pages=None, seed=0, heads=HEADS,
            config=None):
     kwargs = csr_kwargs(case.table) if table_form == "csr" else block_kwargs(case.table)
@@ -273,11 +278,14 @@ def _fill_step(case, lens, counts, tensors, gen):
     return table, total
 
 
-@pytest.mark.parametrize("max_queries, config", [(4, None), (8, KernelConfig(max_tile_rows=16))])
+@pytest.mark.parametrize("max_queries, config", [
+    (4, None), (8, KernelConfig(max_tile_rows=16)), (4, KernelConfig(first_pages=True))],
+    ids=["q4", "q8-m-blocks", "q4-first-reads"])
 def test_graph_mode_queries_refilled_in_place(max_queries, config):
     """Graph mode: qo_indptr is a static device tensor refilled in place like the page table (and,
     on a GPU, plan + run captured once and replayed for a later step); rows of q past the step's
-    queries are left untouched. Also with 8 queries' tiles (32 rows) in two M-blocks."""
+    queries are left untouched. Also with 8 queries' tiles (32 rows) in two M-blocks, and with
+    each task's row's queries copied by the planner beside its record (first pages)."""
 
     case = make_case(seq_lens=[60, 45, 20], **HEADS, seed=7)
     wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=3, max_num_pages=16,
@@ -333,9 +341,11 @@ def test_graph_mode_queries_need_max_queries_per_row():
                       max_queries_per_row=17)
 
 
-def test_graph_mode_wrong_qo_indptr_stays_inside_q():
+@pytest.mark.parametrize("first_pages", [False, True], ids=["", "first-reads"])
+def test_graph_mode_wrong_qo_indptr_stays_inside_q(first_pages):
     """A trusted qo_indptr that points past q reads and writes only q's own rows: counts are
-    clamped to max_queries_per_row, rows past q are skipped."""
+    clamped to max_queries_per_row, rows past q are skipped (also where the planner copies
+    them beside each task's record, clamped alike)."""
     case = make_case(seq_lens=[40, 30, 20], **HEADS, seed=8)
     wrapper = DecodeWrapper("NHD", use_cuda_graph=True, max_batch_size=3, max_num_pages=16,
                             max_queries_per_row=4)
@@ -345,10 +355,42 @@ def test_graph_mode_wrong_qo_indptr_stays_inside_q():
     kwargs["kv_indices"] = indices
     q = torch.randn(12, 8, 64, dtype=torch.float16, device=DEVICE)
     qo = torch.tensor([0, 4, 100, 10**6], dtype=torch.int32, device=DEVICE)
-    wrapper.plan(**kwargs, **HEADS, qo_indptr=qo)
+    wrapper.plan(**kwargs, **HEADS, qo_indptr=qo, config=KernelConfig(first_pages=first_pages))
     out = torch.full_like(q, float("nan"))
     wrapper.run(q, case.kv_cache, out=out)
     assert torch.isfinite(out[:8].float()).all() and torch.isnan(out[8:].float()).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_reads_carry_the_rows_queries(backend):
+    """KernelConfig(first_pages=True) with several queries a row: the planner also copies each
+    task's row's first query, query count and length beside its record, and the kernel reads
+    them there, not in qo_indptr and row_lens. Rows of 1 to 7 queries, split or whole: against
+    the float64 reference, NaN-poisoned, bitwise equal to the default's output, and the copy
+    against qo_indptr and the rows' lengths."""
+    from persistentkv.kernels.plan import QUERY_FIELDS_AT
+
+    case = make_case(seq_lens=[70, 9, 130, 33], **HEADS, seed=12)
+    q, qo_indptr = queries(case, [3, 1, 7, 4], 12)
+    ref, _ = reference_decode(q, case.kv_cache, layout=case.layout, qo_indptr=qo_indptr,
+                              **csr_kwargs(case.table))
+    outs = []
+    for first_pages in (False, True):
+        wrapper = DecodeWrapper(case.layout)
+        plan = wrapper.plan(**csr_kwargs(case.table), **HEADS, **schedule(backend),
+                            qo_indptr=qo_indptr,
+                            config=KernelConfig(block_n=32, first_pages=first_pages))
+        out = wrapper.run(q, case.kv_cache, out=torch.full_like(q, float("nan")))
+        assert relative_error(out, ref) <= TOLERANCE[q.dtype]
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    records = plan.task_records()
+    qo = plan.queries.indptr.cpu().numpy()
+    got = plan.workspace.first_pages[:len(records)].cpu().numpy()
+    at = int(QUERY_FIELDS_AT)
+    assert len(records) >= 4                   # every row (cut into several, split)
+    for (row, *_), fields in zip(records, got):
+        assert list(fields[at:at + 3]) == [qo[row], qo[row + 1] - qo[row], [70, 9, 130, 33][row]]
 
 
 @pytest.mark.parametrize("config", [None, KernelConfig(max_tile_rows=16)])

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernels.plan import FIRST_PAGE_SLOTS, INFO_FIELDS, POLICY_EDGES, TASK_FIELDS, plan_kernel
+from .kernels.plan import (FIRST_PAGE_SLOTS, FIRST_READ_FIELDS, INFO_FIELDS, POLICY_EDGES, TASK_FIELDS,
+                           plan_kernel)
 from .guard import PageGuard, guarded_extent
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
@@ -55,7 +56,8 @@ class PlanOptions:
 
 class Workspace:
     """A planner's device buffers, grow-only: task records int32 [capacity, 8], each task's first
-    K/V tile's page indices int32 [capacity, FIRST_PAGE_SLOTS] (KernelConfig.first_pages), plan
+    reads int32 [capacity, FIRST_READ_FIELDS] (KernelConfig.first_pages: its first K/V tile's
+    page indices and, several query tokens a row, its row's queries and length), plan
     info int32 [9] (task count, split tokens, choice code, claim counter, tasks that did not fit,
     chunks, and check()'s three counts: used entries outside the pool, rows cut to their table,
     rows whose query counts the tile cannot hold),
@@ -76,7 +78,7 @@ class Workspace:
     def __init__(self, device: torch.device):
         self.device = device
         self.tasks = torch.zeros(0, TASK_FIELDS, dtype=torch.int32, device=device)
-        self.first_pages = torch.zeros(0, FIRST_PAGE_SLOTS, dtype=torch.int32, device=device)
+        self.first_pages = torch.zeros(0, FIRST_READ_FIELDS, dtype=torch.int32, device=device)
         self.info = torch.zeros(INFO_FIELDS, dtype=torch.int32, device=device)
         self.part_o = torch.empty(0, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(0, dtype=torch.float32, device=device)
@@ -132,7 +134,7 @@ class Workspace:
         if self.tasks.shape[0] < tasks:
             tasks = -(-tasks // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
             grown["tasks"] = torch.zeros(tasks, TASK_FIELDS, **zeros)
-            grown["first_pages"] = torch.zeros(tasks, FIRST_PAGE_SLOTS, **zeros)
+            grown["first_pages"] = torch.zeros(tasks, FIRST_READ_FIELDS, **zeros)
         partial_tasks = -(-max(partial_tasks, 1) // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
         slots = partial_tasks * partial_heads
         if self.part_lse.numel() < slots * value_blocks or self.part_o.numel() < slots * head_dim:
@@ -312,19 +314,20 @@ class Planner:
                                  "build a new DecodeWrapper")
             ws.reserve(**need)
         block_rows = next_power_of_2(max(table.rows, 1))
-        tables = (*table.leading, table.indices)   # the planner's tensors
+        # the planner's tensors (qo_indptr, or the table again where it reads none)
+        tables = (*table.leading, table.indices,
+                  table.indices if queries is None else queries.indptr)
         leading = (*tables, table.rows, table.num_indices, table.row_stride, table.width)
         align = tuple(t.data_ptr() % 16 for t in tables)
-        trusted_queries = None if queries is None or queries.total is not None else queries.indptr
+        count_queries = queries is not None and queries.total is None   # graph mode's qo_indptr
         bind_key = (ws.serial, ws.generation, options, config.max_tile_rows, device, table.csr,
-                    block_rows, align, q_pad,
-                    None if trusted_queries is None else trusted_queries.data_ptr())
+                    block_rows, align, q_pad, count_queries)
         launch = self._bound.get(bind_key)
         if launch is None:
             if len(self._bound) > 64:
                 self._bound.clear()
             launch = self._bound[bind_key] = self._bind(options, config, table, ws, fixed_tail,
-                                                        block_rows, align, q_pad, trusted_queries)
+                                                        block_rows, align, q_pad, count_queries)
         # at least a program per head item: a balanced plan runs one chunk (>= 1) of each
         programs = min(max(config.programs_per_sm * self.sms(device), head_items),
                        ws.capacity * head_items)
@@ -410,11 +413,11 @@ class Planner:
 
     def _bind(self, options: PlanOptions, config: KernelConfig, table: PageTableArgs,
               ws: Workspace, fixed_tail: tuple, block_rows: int, align: tuple,
-              q_pad: int, trusted_queries: torch.Tensor | None) -> BoundLaunch:
+              q_pad: int, count_queries: bool) -> BoundLaunch:
         """The planner's launch with everything but the page table and its sizes bound. config:
         the step's (_step_config); q_pad: the tile's query tokens per row (a window keeps
-        window_left + q_pad positions a row); trusted_queries: graph mode's qo_indptr (the
-        planner counts its rows the tile cannot hold), else None."""
+        window_left + q_pad positions a row); count_queries: graph mode's qo_indptr, whose rows
+        the tile cannot hold the planner counts."""
         edges, dense, before_split, after_split, use_policy = fixed_tail
         group = options.num_qo_heads // options.num_kv_heads
         smallest_split = min_split_tokens(config,
@@ -423,10 +426,11 @@ class Planner:
         constexprs = dict(PAGE_SIZE=options.page_size, BLOCK_ROWS=block_rows, BLOCK_SPLITS=32,
                           CSR=table.csr, POLICY=use_policy,
                           ONE_ROUND_STEPS=ONE_ROUND_STEPS if config.one_round else 0,
-                          EDGES=POLICY_EDGES, Q_PAD=0 if trusted_queries is None else q_pad,
-                          FIRST_PAGES=FIRST_PAGE_SLOTS if config.first_pages else 0)
-        key = (*constexprs.values(), table.device.index, *align,   # Triton specializes on
-               None if trusted_queries is None else trusted_queries.data_ptr() % 16)   # alignment
+                          EDGES=POLICY_EDGES, Q_PAD=q_pad if count_queries else 0,
+                          FIRST_PAGES=FIRST_PAGE_SLOTS if config.first_pages else 0,
+                          QUERY_FIELDS=q_pad if config.first_pages and q_pad > 1 else 0)
+        key = (*constexprs.values(), table.device.index, *align)   # Triton specializes on
+        # alignment
         return self._launcher.bind(grid=(block_rows,), key=key,
                                    fixed=(edges, dense, ws.tasks, ws.first_pages, ws.info,
                                           ws.row_lens, ws.capacity,
@@ -437,9 +441,7 @@ class Planner:
                                               value_blocks=config.column_blocks(
                                                   tile_rows=q_pad * group)),
                                           *before_split, smallest_split, *after_split,
-                                          window_tokens,
-                                          ws.row_lens if trusted_queries is None
-                                          else trusted_queries),
+                                          window_tokens),
                                    constexprs=constexprs, num_warps=4, num_stages=2,
                                    device_index=table.device.index)
 

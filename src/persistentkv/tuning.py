@@ -88,7 +88,9 @@ class KernelConfig:
     record (kernels/plan.py), and the decode kernel reads them from there: its first K/V load
     waits on one dependent read (the record's) instead of two (the record's, then the page
     table's). Where a task's first tile spans more than kernels.plan.FIRST_PAGE_SLOTS pages
-    (small pages, long tiles) the kernel reads the page table as before.
+    (small pages, long tiles) the kernel reads the page table as before. With several query
+    tokens a row, the planner also writes there the row's first query, query count and length,
+    so that q's load waits on the record's index only, not on qo_indptr after the record.
     prefetch_next_task: in a balanced plan, a program loads its chunk's next task record (and
     with first_pages, its first pages) before it runs the task ahead of it, so that moving on
     to the next task waits on no read (a few registers more, held through the task).

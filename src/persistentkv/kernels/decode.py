@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..runtime import interpreting, next_power_of_2
 from .merge import merge_partials
-from .plan import FIRST_PAGE_SLOTS
+from .plan import FIRST_PAGE_SLOTS, QUERY_FIELDS_AT, READ_FIELDS
 from .softmax import online_softmax_step
 
 ONE_LEVEL_SPLITS = tl.constexpr(16)   # rows of more splits merge in two levels (_merge_split)
@@ -30,7 +30,8 @@ class Task(NamedTuple):
     """One planner record (kernels/plan.py): tokens [tok_lo, tok_hi) of row `row`, split `split`
     of the row's num_splits; the row's pages from indices[page_start]; its partials from slot
     slot_start (-1: the row is this one task). With first pages (Tile.FIRST_PAGES), the pages
-    of its first tile of BLOCK_N tokens, and of BLOCK_N_LONG (_load_task)."""
+    of its first tile of BLOCK_N tokens, and of BLOCK_N_LONG; with Tile.QUERY_FIELDS, its row's
+    first query, query count and length (_load_task; else zeros)."""
     row: tl.tensor
     split: tl.tensor
     tok_lo: tl.tensor
@@ -40,6 +41,9 @@ class Task(NamedTuple):
     num_splits: tl.tensor
     first_pages: tl.tensor
     first_pages_long: tl.tensor
+    q_start: tl.tensor
+    q_count: tl.tensor
+    row_len: tl.tensor
 
 
 class Buffers(NamedTuple):
@@ -97,6 +101,7 @@ class Tile(NamedTuple):
     M_BLOCKS: tl.constexpr
     D_BLOCKS: tl.constexpr
     FIRST_PAGES: tl.constexpr
+    QUERY_FIELDS: tl.constexpr
 
 
 class Features(NamedTuple):
@@ -278,8 +283,8 @@ def _decode_task(task, head_item, buffers, strides, scalars, tile, feat):
     offs_m = m_block * G_PAD + tl.arange(0, G_PAD)
     offs_d = tl.arange(0, tile.D_PAD)
     offs_dv = d_block * DV_PAD + tl.arange(0, DV_PAD)       # this program's output columns
-    q_start, n_q, limit = _row_queries(task.row, offs_m, buffers.qo_indptr, buffers.row_lens,
-                                       GROUP, tile.Q_PAD, feat.WINDOW)
+    q_start, n_q, limit = _row_queries(task, offs_m, buffers.qo_indptr, buffers.row_lens,
+                                       GROUP, tile.Q_PAD, tile.QUERY_FIELDS, feat.WINDOW)
     lower = limit - scalars.window_left   # WINDOW: the first position each tile row sees
     g_mask = _query_mask(offs_m, q_start, n_q, scalars.num_q_rows, GROUP, tile.Q_PAD)
     d_mask = offs_d < tile.HEAD_DIM
@@ -358,12 +363,18 @@ def _query_mask(offs_m, q_start, n_q, num_q_rows, GROUP: tl.constexpr, Q_PAD: tl
 
 
 @triton.jit
-def _row_queries(row, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP: tl.constexpr,
-                 Q_PAD: tl.constexpr, WINDOW: tl.constexpr):
-    """(first query token of the row, its query count, per tile row the last KV position it
-    sees): query j of n sees positions < seq_len - n + j + 1. Decode (Q_PAD 1): (row, 1, the
-    row's last position, read only for a window)."""
-    if Q_PAD > 1:   # a trusted (graph-mode) qo_indptr is clamped: n_q in [0, Q_PAD]
+def _row_queries(task, offs_m, qo_indptr_ptr, row_lens_ptr, GROUP: tl.constexpr,
+                 Q_PAD: tl.constexpr, QUERY_FIELDS: tl.constexpr, WINDOW: tl.constexpr):
+    """(first query token of the task's row, its query count, per tile row the last KV
+    position it sees): query j of n sees positions < seq_len - n + j + 1. Decode (Q_PAD 1):
+    (row, 1, the row's last position, read only for a window). QUERY_FIELDS: from the task's
+    first reads (the planner's copy, clamped alike), not from qo_indptr and row_lens."""
+    row = task.row
+    if QUERY_FIELDS:
+        q_start = task.q_start
+        n_q = task.q_count
+        limit = task.row_len - n_q + offs_m // GROUP
+    elif Q_PAD > 1:   # a trusted (graph-mode) qo_indptr is clamped: n_q in [0, Q_PAD]
         q_start = tl.load(qo_indptr_ptr + row)
         n_q = tl.minimum(tl.maximum(tl.load(qo_indptr_ptr + row + 1) - q_start, 0), Q_PAD)
         limit = tl.load(row_lens_ptr + row) - n_q + offs_m // GROUP
@@ -490,13 +501,13 @@ def _merge_split(o, lse2, task, head_item, q_start, n_q, part_rows, offs_d, mask
 
 @triton.jit
 def _first_pages(first_pages_ptr, record, valid, num_pages, PAGE_SIZE: tl.constexpr,
-                 FIRST_PAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr):
     """The pages of a task's first tile of BLOCK_N tokens (a page per token) from the planner's
     copy, first_pages[record] (its address is the record's index: the load is issued beside the
     record's own; tasks start at whole pages, and the planner wrote 0 past a task's last page),
     each outside [0, num_pages) read as page 0 (the page guard's rule: the planner copies the
     table before the guard does)."""
-    page = tl.load(first_pages_ptr + record.to(tl.int64) * FIRST_PAGES
+    page = tl.load(first_pages_ptr + record.to(tl.int64) * READ_FIELDS
                    + tl.arange(0, BLOCK_N) // PAGE_SIZE, mask=valid, other=0)
     return tl.where((page >= 0) & (page < num_pages), page, 0)
 
@@ -505,21 +516,31 @@ def _first_pages(first_pages_ptr, record, valid, num_pages, PAGE_SIZE: tl.conste
 def _load_task(tasks_ptr, first_pages_ptr, record, valid, num_pages, tile):
     """Task record -> (Task, the record of the next task in its chunk or -1): independent loads
     from one 32-byte record (and with tile.FIRST_PAGES, its first tiles' pages from the
-    planner's copy, _first_pages); zeros (and -1) where not valid."""
+    planner's copy, _first_pages; with tile.QUERY_FIELDS, its row's queries from there too);
+    zeros (and -1) where not valid."""
     rec = tasks_ptr + record.to(tl.int64) * 8
     first = record * 0
     first_long = first
     if tile.FIRST_PAGES > 0:
         first = _first_pages(first_pages_ptr, record, valid, num_pages, tile.PAGE_SIZE,
-                             tile.FIRST_PAGES, tile.BLOCK_N)
+                             tile.BLOCK_N)
         first_long = first
         if tile.BLOCK_N_LONG > 0:
             first_long = _first_pages(first_pages_ptr, record, valid, num_pages, tile.PAGE_SIZE,
-                                      tile.FIRST_PAGES, tile.BLOCK_N_LONG)
+                                      tile.BLOCK_N_LONG)
+    q_start = record * 0
+    q_count = q_start
+    row_len = q_start
+    if tile.QUERY_FIELDS:
+        side = first_pages_ptr + record.to(tl.int64) * READ_FIELDS + QUERY_FIELDS_AT
+        q_start = tl.load(side, mask=valid, other=0)
+        q_count = tl.load(side + 1, mask=valid, other=0)
+        row_len = tl.load(side + 2, mask=valid, other=0)
     task = Task(tl.load(rec, mask=valid, other=0), tl.load(rec + 1, mask=valid, other=0),
                 tl.load(rec + 2, mask=valid, other=0), tl.load(rec + 3, mask=valid, other=0),
                 tl.load(rec + 4, mask=valid, other=0), tl.load(rec + 5, mask=valid, other=0),
-                tl.load(rec + 6, mask=valid, other=0), first, first_long)
+                tl.load(rec + 6, mask=valid, other=0), first, first_long, q_start, q_count,
+                row_len)
     return task, tl.load(rec + 7, mask=valid, other=-1)
 
 
@@ -538,7 +559,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
                         BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr,
                         M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr,
-                        FIRST_PAGES: tl.constexpr, PREFETCH_NEXT: tl.constexpr):
+                        FIRST_PAGES: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
+                        QUERY_FIELDS: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -563,9 +585,11 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     PDL (launched with programmatic dependent launch): the kernel may start before the one ahead
     of it on the stream has finished; it waits for that kernel's writes first of all
     (griddepcontrol.wait), so that every load, the task records' included, sees them.
-    FIRST_PAGES > 0: first_pages int32 [capacity, FIRST_PAGES] holds each record's first pages
-    as the planner copied them from the table (KernelConfig.first_pages), which the first K/V
-    tile reads instead of the table; num_pages: the pool's pages (they are clamped to it).
+    FIRST_PAGES > 0: first_pages int32 [capacity, FIRST_READ_FIELDS] holds each record's first
+    pages as the planner copied them from the table (KernelConfig.first_pages), which the first
+    K/V tile reads instead of the table; num_pages: the pool's pages (they are clamped to it).
+    QUERY_FIELDS (several query tokens a row, with first pages): each task's row's first query,
+    query count and length come from there too, not from qo_indptr and row_lens.
     PREFETCH_NEXT: in a balanced plan, the next record of a program's chunk (and its first
     pages) loads before the task ahead of it runs, not after (KernelConfig.prefetch_next_task).
     """
@@ -580,7 +604,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     # constexpr tuples stay compile-time only when annotated so
     tile: tl.constexpr = Tile(NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE,
                               BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS,
-                              FIRST_PAGES)
+                              FIRST_PAGES, QUERY_FIELDS)
     feat: tl.constexpr = Features(RETURN_LSE, UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8,
                                   TOKEN_SCALES, V_T)
     programs = tl.num_programs(0)
@@ -640,7 +664,8 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     rows over m_blocks, at least 16; KernelConfig.program_rows pads them); d_blocks: programs
     that share a task's output columns, head_dim / d_blocks each (KernelConfig.value_blocks);
     first_pages: the first K/V tile's pages come from the planner's copy
-    (KernelConfig.first_pages), where a tile spans at most FIRST_PAGE_SLOTS pages;
+    (KernelConfig.first_pages), where a tile spans at most FIRST_PAGE_SLOTS pages, and with
+    max_queries > 1 each task's row's queries too (wherever its pages come from);
     prefetch_next_task: a balanced chunk's next record loads before the task ahead of it runs
     (KernelConfig.prefetch_next_task)."""
     rows = next_power_of_2(max_queries * group)
@@ -667,4 +692,5 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 D_BLOCKS=d_blocks,
                 FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages and -(-max(block_n, long_block_n)
                                                                  // page_size) <= FIRST_PAGE_SLOTS
-                else 0, PREFETCH_NEXT=prefetch_next_task)
+                else 0, PREFETCH_NEXT=prefetch_next_task,
+                QUERY_FIELDS=first_pages and max_queries > 1)

@@ -16,6 +16,10 @@ INFO_FIELDS = 9   # int32 plan info: (task count, split tokens, choice code, cla
                   # cannot hold, rows whose query counts the tile cannot hold (the last two added
                   # to by every plan); the last three are reset by check() only)
 FIRST_PAGE_SLOTS = 8   # page indices of a task's first K/V tile kept beside its record (at most)
+FIRST_READ_FIELDS = 16  # int32 per record of first_pages: the first FIRST_PAGE_SLOTS pages, then
+                        # (several query tokens a row) its row's first query, query count, length
+READ_FIELDS = tl.constexpr(FIRST_READ_FIELDS)   # the kernels' names of the two
+QUERY_FIELDS_AT = tl.constexpr(FIRST_PAGE_SLOTS)
 BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
 POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 
@@ -64,23 +68,31 @@ def _policy_code(edges_ptr, codes_ptr, active_rows, max_len, total, n_len_bins, 
 
 @triton.jit
 def _write_first_pages(first_pages_ptr, indices_ptr, at, page_start, tok_lo, tok_hi, mask,
-                       PAGE_SIZE: tl.constexpr, FIRST_PAGES: tl.constexpr):
+                       row_queries, PAGE_SIZE: tl.constexpr, FIRST_PAGES: tl.constexpr,
+                       QUERY_FIELDS: tl.constexpr):
     """Records `at` [S, 1] (tasks of tokens [tok_lo, tok_hi), their row's pages from
     indices[page_start]): the page indices of their first FIRST_PAGES pages, as the table holds
-    them, to first_pages[at] (int32 [capacity, FIRST_PAGES]; 0 past a task's last page)."""
+    them, to first_pages[at] (int32 [capacity, FIRST_READ_FIELDS]; 0 past a task's last page);
+    with QUERY_FIELDS, row_queries [1, 4] (the row's first query, query count and length) from
+    field QUERY_FIELDS_AT."""
     slot = tl.arange(0, FIRST_PAGES)[None, :]
     page = tok_lo // PAGE_SIZE + slot                                                  # [S, P]
     entry = tl.load(indices_ptr + page_start.to(tl.int64) + page,
                     mask=mask & (page * PAGE_SIZE < tok_hi), other=0)
-    tl.store(first_pages_ptr + at.to(tl.int64) * FIRST_PAGES + slot, entry, mask=mask)
+    record = first_pages_ptr + at.to(tl.int64) * READ_FIELDS
+    tl.store(record + slot, entry, mask=mask)
+    if QUERY_FIELDS:
+        field = tl.arange(0, 4)[None, :]
+        tl.store(record + QUERY_FIELDS_AT + field, row_queries + at * 0, mask=mask & (field < 3))
 
 
 @triton.jit
 def _write_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, seq_len, num_splits, first_full,
-                 last_at, page_start, slot_start, split, fits, PAGE_SIZE: tl.constexpr,
-                 BLOCK_SPLITS: tl.constexpr, FIRST_PAGES: tl.constexpr):
+                 last_at, page_start, slot_start, split, fits, row_queries,
+                 PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr, FIRST_PAGES: tl.constexpr,
+                 QUERY_FIELDS: tl.constexpr):
     """Row `row`'s task records: splits 0 .. num_splits - 2 at first_full + j, the last at last_at
-    (and with FIRST_PAGES, their first pages: _write_first_pages)."""
+    (and with FIRST_PAGES, their first reads: _write_first_pages)."""
     fields = tl.arange(0, 8)[None, :]
     for s in tl.range(0, num_splits, BLOCK_SPLITS):
         j = s + tl.arange(0, BLOCK_SPLITS)[:, None]                                # [S, 1]
@@ -97,21 +109,22 @@ def _write_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, seq_len, num_spli
         tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record, mask=(j < num_splits) & fits)
         if FIRST_PAGES > 0:
             _write_first_pages(first_pages_ptr, indices_ptr, at, page_start, tok_lo, tok_hi,
-                               (j < num_splits) & fits, PAGE_SIZE, FIRST_PAGES)
+                               (j < num_splits) & fits, row_queries, PAGE_SIZE, FIRST_PAGES,
+                               QUERY_FIELDS)
 
 
 @triton.jit
 def _write_chunked_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, seq_len, num_segments,
                          row_off, row_pages, first_chunk, chunk, total_pages, cont_at,
-                         next_cont_at, mid, page_start, slot_start, fits,
+                         next_cont_at, mid, page_start, slot_start, fits, row_queries,
                          PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                         FIRST_PAGES: tl.constexpr):
+                         FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr):
     """Row `row`'s tasks of a balanced plan: its pages [row_off, row_off + row_pages) of the
     step's page stream, cut at multiples of `chunk` pages. Segment j lies in chunk
     first_chunk + j; the task that starts a chunk is record c, a row's first segment that starts
     inside a chunk is the continuation record cont_at; the row's last segment links to the next
     row's continuation (next_cont_at) when that row starts inside the same chunk. With
-    FIRST_PAGES, their first pages too (_write_first_pages)."""
+    FIRST_PAGES, their first reads too (_write_first_pages)."""
     fields = tl.arange(0, 8)[None, :]
     row_end = row_off + row_pages
     for s in tl.range(0, num_segments, BLOCK_SPLITS):
@@ -132,7 +145,8 @@ def _write_chunked_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, seq_len, 
         tl.store(tasks_ptr + at.to(tl.int64) * 8 + fields, record, mask=(j < num_segments) & fits)
         if FIRST_PAGES > 0:
             _write_first_pages(first_pages_ptr, indices_ptr, at, page_start, lo * PAGE_SIZE,
-                               tok_hi, (j < num_segments) & fits, PAGE_SIZE, FIRST_PAGES)
+                               tok_hi, (j < num_segments) & fits, row_queries, PAGE_SIZE,
+                               FIRST_PAGES, QUERY_FIELDS)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_indices", "block_table_stride", "block_table_width",
@@ -140,26 +154,30 @@ def _write_chunked_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, seq_len, 
                                "chunk_target", "min_split_tokens", "balanced_from_tokens",
                                "whole_row_min_rows", "n_len_bins", "n_spread_bins",
                                "window_tokens"])
-def plan_kernel(indptr_ptr, last_ptr, lens_ptr, indices_ptr, num_rows, num_indices,
+def plan_kernel(indptr_ptr, last_ptr, lens_ptr, indices_ptr, qo_indptr_ptr, num_rows, num_indices,
                 block_table_stride, block_table_width, edges_ptr, codes_ptr, tasks_ptr,
                 first_pages_ptr, info_ptr, row_lens_ptr,
                 task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
                 whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
-                window_tokens, qo_indptr_ptr,
-                PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                window_tokens, PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
-                EDGES: tl.constexpr, Q_PAD: tl.constexpr, FIRST_PAGES: tl.constexpr):
+                EDGES: tl.constexpr, Q_PAD: tl.constexpr, FIRST_PAGES: tl.constexpr,
+                QUERY_FIELDS: tl.constexpr):
     """Program b writes row b's tasks and its length (row_lens[b], the causal mask of several
     query tokens reads it); program 0 also writes the plan info. FIRST_PAGES > 0: it also copies
     each task's first FIRST_PAGES page indices from the table (indices: kv_indices, or the
-    block table) to first_pages[record] (int32 [capacity, FIRST_PAGES]), unchecked (the decode
-    kernel clamps them as the page guard does).
+    block table) to first_pages[record] (int32 [capacity, FIRST_READ_FIELDS]), unchecked (the
+    decode kernel clamps them as the page guard does); QUERY_FIELDS > 0 (the tile's query tokens
+    a row, with FIRST_PAGES): and from field QUERY_FIELDS_AT, the row's first query
+    qo_indptr[b], its query count clamped to [0, QUERY_FIELDS] as the decode kernel clamps it,
+    and its length (row_lens[b]), so that a task's first reads wait on no other.
 
     Row lengths: CSR seq_len = (indptr[b+1] - indptr[b] - 1) * PAGE_SIZE + last[b] (0 without
     pages), page start indptr[b]; block table seq_len = lens[b], page start b * block_table_stride.
     Lengths are clamped to what the table holds, so a bad table cannot send a read past it;
     program 0 adds the rows clamped (or with offsets out of order) to info[7] (check()).
+    qo_indptr: read with Q_PAD or QUERY_FIELDS only (else any int32 tensor).
     Q_PAD > 0 (graph mode's qo_indptr, its values not read on the host): the decode kernel
     clamps each row's query count to [0, Q_PAD], the tile's; program 0 adds the rows whose
     count qo_indptr[b+1] - qo_indptr[b] is outside it (or whose start is negative) to info[8].
@@ -231,16 +249,23 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, indices_ptr, num_rows, num_indic
     my_len = tl.sum(tl.where(mine, lens, 0), axis=0)
     my_start = tl.sum(tl.where(mine, lo, 0), axis=0)
     tl.store(row_lens_ptr + row, my_len, mask=row < num_rows)
+    row_queries = my_len * 0
+    if QUERY_FIELDS > 0:   # the row's first query, its count as the decode kernel clamps it, length
+        q_first = tl.load(qo_indptr_ptr + row, mask=row < num_rows, other=0)
+        q_rows = tl.load(qo_indptr_ptr + row + 1, mask=row < num_rows, other=0) - q_first
+        field = tl.arange(0, 4)[None, :]
+        row_queries = tl.where(field == 0, q_first, tl.where(
+            field == 1, tl.minimum(tl.maximum(q_rows, 0), QUERY_FIELDS), my_len))
     if code == BALANCED:
         num_tasks, split, num_chunks, fits = _plan_balanced(
             tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, row, my_len, my_start,
-            task_capacity, partial_capacity, chunk_target, min_split_tokens, PAGE_SIZE,
-            BLOCK_SPLITS, FIRST_PAGES)
+            task_capacity, partial_capacity, chunk_target, min_split_tokens, row_queries,
+            PAGE_SIZE, BLOCK_SPLITS, FIRST_PAGES, QUERY_FIELDS)
     else:
         num_tasks, fits = _plan_splits(tasks_ptr, first_pages_ptr, indices_ptr, lens, active,
                                        mine, row, my_len, my_start, split, task_capacity,
-                                       partial_capacity, PAGE_SIZE, BLOCK_ROWS, BLOCK_SPLITS,
-                                       FIRST_PAGES)
+                                       partial_capacity, row_queries, PAGE_SIZE, BLOCK_ROWS,
+                                       BLOCK_SPLITS, FIRST_PAGES, QUERY_FIELDS)
         num_chunks = num_tasks * 0
     if row == 0:
         tl.store(info_ptr, tl.where(fits, num_tasks, 0))
@@ -259,8 +284,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, indices_ptr, num_rows, num_indic
 @triton.jit
 def _plan_balanced(tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, row, my_len,
                    my_start, task_capacity, partial_capacity, chunk_target, min_split_tokens,
-                   PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                   FIRST_PAGES: tl.constexpr):
+                   row_queries, PAGE_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                   FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr):
     """The balanced rule (schedule.py): the rows' pages end to end, in chunks of
     max(min_split_tokens, total / chunk_target) pages. A row cut in two or more segments has
     slots for their partials, in row order. Returns (tasks, chunk tokens, chunks, whether the
@@ -288,15 +313,16 @@ def _plan_balanced(tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, 
                          tl.sum(tl.where(mine, pages, 0), axis=0),
                          tl.sum(tl.where(mine, first_chunk, 0), axis=0), chunk, total_pages,
                          num_chunks + my_mids - my_mid.to(tl.int32), num_chunks + my_mids, my_mid,
-                         my_start, my_slot, fits, PAGE_SIZE, BLOCK_SPLITS, FIRST_PAGES)
+                         my_start, my_slot, fits, row_queries, PAGE_SIZE, BLOCK_SPLITS,
+                         FIRST_PAGES, QUERY_FIELDS)
     return num_tasks, chunk * PAGE_SIZE, num_chunks, fits
 
 
 @triton.jit
 def _plan_splits(tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, row, my_len,
-                 my_start, split, task_capacity, partial_capacity, PAGE_SIZE: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                 FIRST_PAGES: tl.constexpr):
+                 my_start, split, task_capacity, partial_capacity, row_queries,
+                 PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                 FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr):
     """Splits of `split` tokens: every row's splits but its last in row order, then the rows' last
     splits, longest first; a row of two or more has slots for their partials, in row order.
     Returns (tasks, whether the tasks and their partials fit)."""
@@ -318,5 +344,6 @@ def _plan_splits(tasks_ptr, first_pages_ptr, indices_ptr, lens, active, mine, ro
     last_at = tl.sum(full, axis=0) + tl.sum(longer.to(tl.int32), axis=0)
 
     _write_tasks(tasks_ptr, first_pages_ptr, indices_ptr, row, my_len, my_splits, my_first,
-                 last_at, my_start, my_slot, split, fits, PAGE_SIZE, BLOCK_SPLITS, FIRST_PAGES)
+                 last_at, my_start, my_slot, split, fits, row_queries, PAGE_SIZE, BLOCK_SPLITS,
+                 FIRST_PAGES, QUERY_FIELDS)
     return num_tasks, fits
