@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernels.plan import (FIRST_PAGE_SLOTS, FIRST_READ_FIELDS, INFO_FIELDS, POLICY_EDGES, TASK_FIELDS,
-                           plan_kernel)
+from .kernels.plan import (FIRST_PAGE_SLOTS, FIRST_READ_FIELDS, INFO_FIELDS, POLICY_EDGES,
+                           TASK_FIELDS, plan_kernel)
 from .guard import PageGuard, guarded_extent
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs

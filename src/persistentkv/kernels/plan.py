@@ -160,7 +160,8 @@ def plan_kernel(indptr_ptr, last_ptr, lens_ptr, indices_ptr, qo_indptr_ptr, num_
                 task_capacity, partial_capacity,
                 choice, target_tasks, chunk_target, min_split_tokens, balanced_from_tokens,
                 whole_row_min_rows, whole_row_slack, one_round_slack, n_len_bins, n_spread_bins,
-                window_tokens, PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                window_tokens,
+                PAGE_SIZE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                 CSR: tl.constexpr, POLICY: tl.constexpr, ONE_ROUND_STEPS: tl.constexpr,
                 EDGES: tl.constexpr, Q_PAD: tl.constexpr, FIRST_PAGES: tl.constexpr,
                 QUERY_FIELDS: tl.constexpr):
