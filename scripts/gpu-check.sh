@@ -97,7 +97,8 @@
 # ($BASE_SRC) over $CELLS with $BENCH_ARGS, alternated twice (v47: the per-token fp8 fix);
 # valuerows: v49's value blocks on 16-row tiles (2 and 4 programs a task's output columns) on
 # the small, latency-bound cells at one and four queries (llama3-8b) and one (gpt-oss-tp8,
-# qwen2.5-7b), against the default and FlashInfer's XQA, twice (about 4 minutes a run);
+# qwen2.5-7b), against the default and FlashInfer's XQA, twice (about 4 minutes a run; rejected
+# in v51: 1.0-2.7x slower);
 # firstpages: v50's KernelConfig.first_pages (each task's first pages beside its record) on the
 # same cells at one query (llama3-8b, gpt-oss-tp8, qwen2.5-7b, llama3-70b-tp8) and four
 # (llama3-8b), against the default and XQA, twice;

@@ -83,7 +83,8 @@ class KernelConfig:
     so that their tile's shared memory leaves room for programs_per_sm of them.
     value_block_rows: the fewest rows of a program's tile that value blocks apply to (64: the
     warp-group MMA's; 16, an experiment for latency-bound small steps: more programs, each with
-    a share of the PV product and of the merge, at the cost of every one computing the scores).
+    a share of the PV product and of the merge, at the cost of every one computing the scores;
+    measured 1.0-1.4x slower with two blocks and 1.0-2.7x with four, docs/perf-notes.md v51).
     first_pages: the planner also writes each task's first K/V tile's page indices beside its
     record (kernels/plan.py), and the decode kernel reads them from there: its first K/V load
     waits on one dependent read (the record's) instead of two (the record's, then the page
@@ -91,9 +92,13 @@ class KernelConfig:
     (small pages, long tiles) the kernel reads the page table as before. With several query
     tokens a row, the planner also writes there the row's first query, query count and length,
     so that q's load waits on the record's index only, not on qo_indptr after the record.
+    Off by default: 1-3% faster on a few small steps at groups 4 and 7, up to 9% slower at
+    group 8 with one KV head (docs/perf-notes.md v51).
     prefetch_next_task: in a balanced plan, a program loads its chunk's next task record (and
     with first_pages, its first pages) before it runs the task ahead of it, so that moving on
-    to the next task waits on no read (a few registers more, held through the task).
+    to the next task waits on no read (a few registers more, held through the task). Off by
+    default: 0-0.7% faster on mixed steps at 32/8 and 28/4, not yet measured at other shapes
+    (docs/perf-notes.md v51).
     """
 
     block_n: int = 64
