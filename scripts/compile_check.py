@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from persistentkv.kernels.decode import decode_constexprs, paged_decode_kernel
-from persistentkv.kernels.plan import FIRST_PAGE_SLOTS, POLICY_EDGES, plan_kernel
+from persistentkv.kernels.plan import FIRST_PAGE_SLOTS, POLICY_EDGES, plan_kernel, query_fields
 from persistentkv.schedule import ONE_ROUND_STEPS
 from persistentkv.tuning import KernelConfig, default_config
 
@@ -81,7 +81,7 @@ def compile_planner(*, arch: int, csr: bool, policy: bool, q_pad: int, first_pag
     constexprs = dict(PAGE_SIZE=16, BLOCK_ROWS=128, BLOCK_SPLITS=32, CSR=csr, POLICY=policy,
                       ONE_ROUND_STEPS=ONE_ROUND_STEPS, EDGES=POLICY_EDGES, Q_PAD=q_pad,
                       FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages else 0,
-                      QUERY_FIELDS=q_pad if first_pages else 0)
+                      QUERY_FIELDS=query_fields(first_pages=first_pages, max_queries=q_pad))
     names = plan_kernel.arg_names
     signature = {}
     for name in names:

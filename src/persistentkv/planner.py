@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .kernels.plan import (FIRST_PAGE_SLOTS, FIRST_READ_FIELDS, INFO_FIELDS, POLICY_EDGES,
-                           TASK_FIELDS, plan_kernel)
+                           TASK_FIELDS, plan_kernel, query_fields)
 from .guard import PageGuard, guarded_extent
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
@@ -428,9 +428,10 @@ class Planner:
                           ONE_ROUND_STEPS=ONE_ROUND_STEPS if config.one_round else 0,
                           EDGES=POLICY_EDGES, Q_PAD=q_pad if count_queries else 0,
                           FIRST_PAGES=FIRST_PAGE_SLOTS if config.first_pages else 0,
-                          QUERY_FIELDS=q_pad if config.first_pages and q_pad > 1 else 0)
-        key = (*constexprs.values(), table.device.index, *align)   # Triton specializes on
-        # alignment
+                          QUERY_FIELDS=query_fields(first_pages=config.first_pages,
+                                                    max_queries=q_pad))
+        # Triton specializes on the pointers' alignment
+        key = (*constexprs.values(), table.device.index, *align)
         return self._launcher.bind(grid=(block_rows,), key=key,
                                    fixed=(edges, dense, ws.tasks, ws.first_pages, ws.info,
                                           ws.row_lens, ws.capacity,

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..runtime import interpreting, next_power_of_2
 from .merge import merge_partials
-from .plan import FIRST_PAGE_SLOTS, QUERY_FIELDS_AT, READ_FIELDS
+from .plan import FIRST_PAGE_SLOTS, QUERY_FIELDS_AT, READ_FIELDS, query_fields
 from .softmax import online_softmax_step
 
 ONE_LEVEL_SPLITS = tl.constexpr(16)   # rows of more splits merge in two levels (_merge_split)
@@ -693,4 +693,4 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages and -(-max(block_n, long_block_n)
                                                                  // page_size) <= FIRST_PAGE_SLOTS
                 else 0, PREFETCH_NEXT=prefetch_next_task,
-                QUERY_FIELDS=first_pages and max_queries > 1)
+                QUERY_FIELDS=query_fields(first_pages=first_pages, max_queries=max_queries))
