@@ -19,7 +19,7 @@
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
 # an H200, most of it Triton's compiles). shapes: the grid at each preset of $PRESETS against
 # FlashInfer's three decode entries (default all nine, the one- and two-KV-head ones first;
-# results/<gpu>/shapes/ is the matrix's format). presets: a
+# results/<gpu>/shapes/ is the matrix's format; $SHAPE_BACKENDS replaces the backends). presets: a
 # policy per preset of $PRESETS (default the shapes without a shipped one), fitted and judged on
 # the held-out seeds, about 150 s each; judge: the held-out evaluation alone at each of $PRESETS
 # with the policy pkv-auto takes there (about 75 s each); pages: the page-size spot check (1 and
@@ -165,7 +165,8 @@ for step in $steps; do
                for p in ${PRESETS:-llama3-70b-tp8 gpt-oss-tp8 llama3-70b-tp4 qwen2.5-7b llama3-8b \
                                    gpt-oss llama3-70b qwen3-14b gemma2-9b}; do
                  timeout 240 python3 -m persistentkv.cli bench --grid --preset $p \
-                   --backends pkv-auto,fi-cuda-core,fi-tensor-core,fi-xqa --out "$out/shapes" \
+                   --backends ${SHAPE_BACKENDS:-pkv-auto,fi-cuda-core,fi-tensor-core,fi-xqa} \
+                   --out "$out/shapes" \
                    --tag $p > "$out/shapes/$p-log.txt" 2>&1 || status=1
                  tail -1 "$out/shapes/$p-log.txt"
                done ;;
