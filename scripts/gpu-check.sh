@@ -102,9 +102,6 @@
 # firstpages: v50's KernelConfig.first_pages (each task's first pages beside its record) on the
 # same cells at one query (llama3-8b, gpt-oss-tp8, qwen2.5-7b, llama3-70b-tp8) and four
 # (llama3-8b), against the default and XQA, twice;
-# nexttask: v51's KernelConfig.prefetch_next_task (a balanced chunk's next record loaded before
-# the task ahead of it), alone and with first pages, on mixed batches and long steps (llama3-8b,
-# qwen2.5-7b), against the default and XQA, twice (about 3 minutes a run);
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -407,18 +404,6 @@ for step in $steps; do
                      --backends pkv-auto,pkv-auto:firstpages1,fi-xqa --out "$out/firstpages" \
                      --tag $tag > "$out/firstpages/$tag-log.txt" 2>&1
                    tail -1 "$out/firstpages/$tag-log.txt"
-                 done
-               done ;;
-    nexttask)  mkdir -p "$out/nexttask"   # v51: a balanced chunk's next record loaded early
-               for i in $repeats; do
-                 for s in llama3-8b qwen2.5-7b; do
-                   tag=$s-$i
-                   timeout 200 python3 -m persistentkv.cli bench --grid --preset $s \
-                     --cells "B8 bimodal,B8 uniform,B8 zipf,B16 mix,B32 mix,B8 L32K,B32 L8K" \
-                     --backends "pkv-auto,pkv-auto:nexttask1,pkv-auto:firstpages1:nexttask1,$(
-                                 )fi-xqa" --out "$out/nexttask" --tag $tag \
-                     > "$out/nexttask/$tag-log.txt" 2>&1
-                   tail -1 "$out/nexttask/$tag-log.txt"
                  done
                done ;;
     benchorder) mkdir -p "$out/benchorder"   # our graphs alone, and replayed after XQA's

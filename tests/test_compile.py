@@ -46,13 +46,6 @@ def test_decode_kernel_reading_the_first_pages_compiles_pipelined():
     assert "stack 0 B" in line and int(re.search(r"deepest wait_group (\d+)", line).group(1)) >= 1
 
 
-def test_decode_kernel_prefetching_the_next_task_compiles_without_spills():
-    """KernelConfig.prefetch_next_task (with first pages, the most it holds ahead): the next
-    record held through a task costs registers, not a spill; the K/V loads still pipelined."""
-    line = _compile_check("--config", "prefetch_next_task=1,first_pages=1")[0]
-    assert "stack 0 B" in line and int(re.search(r"deepest wait_group (\d+)", line).group(1)) >= 1
-
-
 def test_decode_kernel_with_pdl_compiles_with_the_same_resources():
     """PDL adds one griddepcontrol.wait at the kernel's start: same registers and shared memory,
     no spills."""

@@ -399,34 +399,6 @@ def test_first_pages_from_the_planner(backend, page, layout, form, slots):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("first_pages, form", [(False, "csr"), (True, "block")],
-                         ids=["records", "records-and-first-pages-block"])
-def test_prefetched_next_task_of_a_chunk(first_pages, form):
-    """KernelConfig(prefetch_next_task=True): a balanced chunk's next record (and its first
-    pages) loads before the task ahead of it runs. Chunks here link two and three tasks of
-    several rows (their records' `next`), split rows among them. Against the float64
-    reference, NaN-poisoned, and bitwise equal to the default's output (the same tasks in the
-    same order)."""
-    import dataclasses
-
-    from persistentkv.tuning import KernelConfig
-
-    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-    config = KernelConfig(block_n=32, num_stages=2, first_pages=first_pages)
-    case = make_case(seq_lens=[700, 40, 300, 5, 129, 260], **heads, layout="HND")
-    table = csr_kwargs(case.table) if form == "csr" else block_kwargs(case.table)
-    outs = []
-    for cfg in (config, dataclasses.replace(config, prefetch_next_task=True)):
-        wrapper = DecodeWrapper("HND")
-        plan = wrapper.plan(**table, **heads, backend="balanced", config=cfg)
-        linked = plan.task_records()[:, 7]
-        assert (linked >= 0).sum() >= 3, plan.task_records()   # chains of several tasks
-        out = wrapper.run(case.q, case.kv_cache, out=torch.full_like(case.q, float("nan")))
-        check(case, wrapper, out)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_long_tile_config_is_checked():
     from persistentkv.tuning import KernelConfig
 

@@ -171,9 +171,7 @@ def test_random_query_counts(data):
            table_form=data.draw(st.sampled_from(["csr", "block"]), label="table_form"),
            config=KernelConfig(block_n=32, max_tile_rows=tile_rows, value_blocks=value_blocks,
                                value_block_rows=16,
-                               first_pages=data.draw(st.booleans(), label="first_pages"),
-                               prefetch_next_task=data.draw(st.booleans(),
-                                                            label="prefetch_next_task")))
+                               first_pages=data.draw(st.booleans(), label="first_pages")))
 
 
 @pytest.mark.parametrize("indptr, match", [

@@ -42,7 +42,6 @@ def decode_problems(draw):
                      if backend == "split" else None),
         table_form=draw(st.sampled_from(["csr", "block_table"]), label="table_form"),
         first_pages=draw(st.booleans(), label="first_pages"),
-        prefetch_next_task=draw(st.booleans(), label="prefetch_next_task"),
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
     )
 
@@ -62,8 +61,7 @@ def test_decode_matches_reference_on_random_problems(p):
                  split_pages=p["split_pages"],
                  config=dataclasses.replace(default_config(head_dim=p["head_dim"],
                                                            num_kv_heads=p["num_kv_heads"]),
-                                            first_pages=p["first_pages"],
-                                            prefetch_next_task=p["prefetch_next_task"]))
+                                            first_pages=p["first_pages"]))
     out = torch.full_like(case.q, float("nan"))
     result = wrapper.run(case.q, case.kv_cache, out=out)
     assert result is out

@@ -94,11 +94,6 @@ class KernelConfig:
     so that q's load waits on the record's index only, not on qo_indptr after the record.
     Off by default: 1-3% faster on a few small steps at groups 4 and 7, up to 9% slower at
     group 8 with one KV head (docs/perf-notes.md v51).
-    prefetch_next_task: in a balanced plan, a program loads its chunk's next task record (and
-    with first_pages, its first pages) before it runs the task ahead of it, so that moving on
-    to the next task waits on no read (a few registers more, held through the task). Off by
-    default: 0-0.7% faster on mixed steps at 32/8 and 28/4, not yet measured at other shapes
-    (docs/perf-notes.md v51).
     """
 
     block_n: int = 64
@@ -123,7 +118,6 @@ class KernelConfig:
     value_block_stages: int | None = None
     value_block_rows: int = 64
     first_pages: bool = False
-    prefetch_next_task: bool = False
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -271,7 +265,7 @@ class KernelConfig:
         if self.long_block_n is not None and self.long_block_n <= self.block_n:
             raise ValueError(f"KernelConfig.long_block_n must be None or above block_n "
                              f"({self.block_n}), got {self.long_block_n!r}")
-        for name in ("one_round", "pdl", "first_pages", "prefetch_next_task"):
+        for name in ("one_round", "pdl", "first_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         value = self.max_registers

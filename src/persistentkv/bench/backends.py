@@ -449,8 +449,7 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "valueblocks": ("value_blocks", int),
                    "valuestages": ("value_block_stages", lambda text: int(text) or None),
                    "valuerows": ("value_block_rows", int),
-                   "firstpages": ("first_pages", _FLAG),
-                   "nexttask": ("prefetch_next_task", _FLAG)}
+                   "firstpages": ("first_pages", _FLAG)}
 
 
 def _override_suffix(overrides: dict) -> str:
@@ -532,8 +531,7 @@ def make_backends(names: list[str], *, layout: str, device: torch.device,
     more as M-blocks of R; 0: never), ':valueblocksV' (programs of 64 rows or more share a
     task's output columns V ways), ':valuestagesS' (their stages; 0: the config's),
     ':valuerowsR' (value blocks from tiles of R rows, not 64), ':firstpages0|1' (the planner
-    writes each task's first tile's pages beside its record), ':nexttask0|1' (a balanced
-    chunk's next record loads before the task ahead of it runs), e.g.
+    writes each task's first tile's pages beside its record), e.g.
     'pkv-split@16:warps8', 'pkv-auto:pps3'.
     policy: what pkv-auto decides with (default: the policy shipped for the GPU).
     """

@@ -559,8 +559,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
                         BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr,
                         M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr,
-                        FIRST_PAGES: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
-                        QUERY_FIELDS: tl.constexpr):
+                        FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -590,8 +589,6 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     K/V tile reads instead of the table; num_pages: the pool's pages (they are clamped to it).
     QUERY_FIELDS (several query tokens a row, with first pages): each task's row's first query,
     query count and length come from there too, not from qo_indptr and row_lens.
-    PREFETCH_NEXT: in a balanced plan, the next record of a program's chunk (and its first
-    pages) loads before the task ahead of it runs, not after (KernelConfig.prefetch_next_task).
     """
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -619,20 +616,10 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
         # claims. The first item is straight-line code: measured 0.6-1.0 us faster per launch on
         # small steps than a loop run once.
         if item < tl.where(chained > 0, chained, num_items):
-            if PREFETCH_NEXT:        # the chunk's next record loads before this task runs
-                ahead, ahead_nxt = _load_task(tasks_ptr, first_pages_ptr, tl.maximum(nxt, 0),
-                                              nxt >= 0, num_pages, tile)
+            _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
+            while nxt >= 0:          # the rest of a balanced chunk (a link is a rare extra load)
+                task, nxt = _load_task(tasks_ptr, first_pages_ptr, nxt, True, num_pages, tile)
                 _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
-                while nxt >= 0:
-                    task, nxt = ahead, ahead_nxt
-                    ahead, ahead_nxt = _load_task(tasks_ptr, first_pages_ptr, tl.maximum(nxt, 0),
-                                                  nxt >= 0, num_pages, tile)
-                    _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
-            else:
-                _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
-                while nxt >= 0:      # the rest of a balanced chunk (a link is a rare extra load)
-                    task, nxt = _load_task(tasks_ptr, first_pages_ptr, nxt, True, num_pages, tile)
-                    _decode_task(task, head_item, buffers, strides, scalars, tile, feat)
     else:
         while item < num_items:
             claim = tl.atomic_add(info_ptr + 3, 1, sem="relaxed", scope="gpu")   # read after the task
@@ -651,7 +638,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       v_transposed: bool = False, long_block_n: int = 0,
                       long_from_tokens: int = 0, m_blocks: int = 1,
                       g_pad: int | None = None, d_blocks: int = 1,
-                      first_pages: bool = False, prefetch_next_task: bool = False) -> dict:
+                      first_pages: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -665,9 +652,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     that share a task's output columns, head_dim / d_blocks each (KernelConfig.value_blocks);
     first_pages: the first K/V tile's pages come from the planner's copy
     (KernelConfig.first_pages), where a tile spans at most FIRST_PAGE_SLOTS pages, and with
-    max_queries > 1 each task's row's queries too (wherever its pages come from);
-    prefetch_next_task: a balanced chunk's next record loads before the task ahead of it runs
-    (KernelConfig.prefetch_next_task)."""
+    max_queries > 1 each task's row's queries too (wherever its pages come from)."""
     rows = next_power_of_2(max_queries * group)
     if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
         raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
@@ -692,5 +677,5 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 D_BLOCKS=d_blocks,
                 FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages and -(-max(block_n, long_block_n)
                                                                  // page_size) <= FIRST_PAGE_SLOTS
-                else 0, PREFETCH_NEXT=prefetch_next_task,
+                else 0,
                 QUERY_FIELDS=query_fields(first_pages=first_pages, max_queries=max_queries))
