@@ -13,7 +13,7 @@
 #                                        wholerows|abtree|padrows|widepad|d256regs|d512q|
 #                                        capregs|policycost|mblockcross|smallstep|smallsweep|
 #                                        d512cross|largerows|valueblocks|valuerows|firstpages|
-#                                        e2e ...]
+#                                        stalls|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -102,6 +102,11 @@
 # firstpages: v50's KernelConfig.first_pages (each task's first pages beside its record) on the
 # same cells at one query (llama3-8b, gpt-oss-tp8, qwen2.5-7b, llama3-70b-tp8) and four
 # (llama3-8b), against the default and XQA, twice;
+# stalls: what the token loop's warps wait on (v23-v24 measured 5.7 cycles a warp between
+# issues and 0.4 eligible warps a scheduler in the fp8 step, not why): Nsight Compute on one B32
+# L8K launch at 32/8/128, fp16 HND and fp8 HND_VT (per tensor), each stall reason's cycles per
+# issued instruction (raw page), and the fp8 kernel's SASS lines with their stall samples
+# (source page); about 2 minutes;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -586,6 +591,23 @@ for step in $steps; do
                done
                python3 scripts/benchmark_tables.py --ab-a "$out"/abtree/a-{1,2}.json \
                  --ab-b "$out"/abtree/b-{1,2}.json ;;
+    stalls)    mkdir -p "$out/stalls"   # v52: the warps' stall reasons, fp16 against fp8
+               for c in "fp16:" "fp8vt:--kv-fp8 tensor --layout HND_VT"; do
+                 tag=${c%%:*}; flags=${c#*:}
+                 timeout 150 ncu --clock-control none --kernel-name regex:paged_decode \
+                   --launch-skip 2 --launch-count 1 --section WarpStateStats \
+                   --section SchedulerStats --csv --page raw python3 -m persistentkv.cli bench \
+                   --grid --cells "B32 L8K" $flags --backends pkv-auto --layers 2 \
+                   > "$out/stalls/raw-$tag.csv" 2>&1
+                 grep -c issue_stalled "$out/stalls/raw-$tag.csv"
+               done
+               timeout 200 ncu --clock-control none --kernel-name regex:paged_decode \
+                 --launch-skip 2 --launch-count 1 --section SourceCounters \
+                 --section WarpStateStats --csv --page source --print-source sass \
+                 python3 -m persistentkv.cli bench --grid --cells "B32 L8K" --kv-fp8 tensor \
+                 --layout HND_VT --backends pkv-auto --layers 2 \
+                 > "$out/stalls/source-fp8vt.csv" 2>&1
+               wc -l "$out/stalls/source-fp8vt.csv" ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
