@@ -106,7 +106,9 @@
 # issues and 0.4 eligible warps a scheduler in the fp8 step, not why): Nsight Compute on one B32
 # L8K launch at 32/8/128, fp16 HND and fp8 HND_VT (per tensor), each stall reason's cycles per
 # issued instruction (raw page), and the fp8 kernel's SASS lines with their stall samples
-# (source page); about 2 minutes;
+# (source page), and the same page for B1 L1K at four queries a row (where the merge of 16
+# rows costs about 1 us more than the one-query step's, v26-v27, not known where); about 3
+# minutes;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -607,7 +609,12 @@ for step in $steps; do
                  python3 -m persistentkv.cli bench --grid --cells "B32 L8K" --kv-fp8 tensor \
                  --layout HND_VT --backends pkv-auto --layers 2 \
                  > "$out/stalls/source-fp8vt.csv" 2>&1
-               wc -l "$out/stalls/source-fp8vt.csv" ;;
+               timeout 200 ncu --clock-control none --kernel-name regex:paged_decode \
+                 --launch-skip 2 --launch-count 1 --section SourceCounters \
+                 --section WarpStateStats --csv --page source --print-source sass \
+                 python3 -m persistentkv.cli bench --grid --cells "B1 L1K" --q-len 4 \
+                 --backends pkv-auto --layers 2 > "$out/stalls/source-q4-b1.csv" 2>&1
+               wc -l "$out"/stalls/source-*.csv ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
