@@ -151,6 +151,42 @@ def test_one_query_per_row_is_plain_decode():
     assert torch.equal(with_indptr, wrapper.run(q, case.kv_cache))
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("backend", ["split", "auto"])
+def test_eager_replan_of_a_refilled_qo_indptr(monkeypatch, backend, where):
+    """An eager plan() of the same page-table and qo_indptr tensors, refilled in place, reruns
+    only the planner when the new counts keep the tile (a new total of query tokens included),
+    and plans afresh when they need a larger one; bad new values are refused before anything is
+    copied. Each step against the float64 reference, NaN-poisoned."""
+    from persistentkv import planner as planner_module
+
+    whole = []
+    plan_into = planner_module.Planner._plan_into
+    monkeypatch.setattr(planner_module.Planner, "_plan_into",
+                        lambda self, *a, **k: whole.append(1) or plan_into(self, *a, **k))
+    case = make_case(seq_lens=[70, 9, 130, 33], **HEADS, layout="HND", seed=31)
+    table = csr_kwargs(case.table)
+    indptr = torch.zeros(5, dtype=torch.int32, device=DEVICE if where == "device" else "cpu")
+    wrapper = DecodeWrapper(case.layout)
+    for step, (q_lens, plans) in enumerate((([3, 1, 4, 2], 1), ([4, 2, 1, 4], 1),
+                                            ([8, 1, 1, 1], 2), ([1, 5, 2, 6], 2))):
+        q, values = queries(case, q_lens, seed=step)
+        indptr.copy_(values)
+        wrapper.plan(**table, **HEADS, **schedule(backend), qo_indptr=indptr)
+        assert len(whole) == plans, (step, q_lens)
+        assert wrapper.current_plan.total_queries == sum(q_lens)
+        out = torch.full_like(q, float("nan"))
+        wrapper.run(q, case.kv_cache, out=out)
+        ref, _ = reference_decode(q, case.kv_cache, layout=case.layout, qo_indptr=values,
+                                  **csr_kwargs(case.table))
+        assert relative_error(out, ref) <= TOLERANCE[q.dtype], (step, q_lens)
+    last = wrapper.current_plan
+    indptr.copy_(torch.tensor([0, 3, 2, 5, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"qo_indptr must be non-decreasing, got qo_indptr\[1\]=3"):
+        wrapper.plan(**table, **HEADS, **schedule(backend), qo_indptr=indptr)
+    assert wrapper.current_plan is last and len(whole) == 2
+
+
 # every example compiles new kernel variants on a GPU (seconds each); the interpreter has none
 @settings(max_examples=12 if ON_GPU else 25, deadline=None, derandomize=True)
 @given(st.data())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from .kernels.plan import (FIRST_PAGE_SLOTS, FIRST_READ_FIELDS, INFO_FIELDS, POL
 from .guard import PageGuard, guarded_extent
 from .launch import BoundLaunch, Launcher
 from .page_inputs import PageTableArgs
-from .queries import QueryLayout
+from .queries import QueryLayout, refilled_query_layout
 from .policy import EDGES, Policy, fallback_choice, load_policy
 from .runtime import next_power_of_2, sm_count
 from .schedule import (ONE_ROUND_SLACK, ONE_ROUND_STEPS, WHOLE_ROW_SLACK, Choice,
@@ -218,12 +218,17 @@ class Planner:
         """The SMs the plans on `device` fill."""
         return self.num_sms or sm_count(device)
 
-    def replan(self, tensors: tuple, options: PlanOptions) -> DecodePlan | None:
+    def replan(self, tensors: tuple, options: PlanOptions, *,
+               tile_queries: int | None = None) -> DecodePlan | None:
         """The last plan again when `tensors` are the last plan's page-table tensors (the same
         objects and shapes, all on the device, refilled in place) and `options` the same object:
         only the planner's launch, about one bare launch of host time. None otherwise, and always
         with check_page_table: refilled tables must have their values checked again (and run()
-        the page range of the new values)."""
+        the page range of the new values). An eager plan of several query tokens a row
+        (tensors' last, qo_indptr: the same object, on the host or the device) has its new
+        values read and checked and copied to the plan's device buffer first
+        (queries.refilled_query_layout; tile_queries: the wrapper's fixed tile, else None); None
+        when they need another tile."""
         memo = self._memo
         if (memo is None or memo[2] is not options or options.check_page_table
                 or len(memo[0]) != len(tensors)):
@@ -233,10 +238,19 @@ class Planner:
                 return None
         if memo[1] != tuple(None if t is None else t.shape for t in tensors):
             return None
+        plan = memo[3]
+        if plan.queries is not None and plan.queries.total is not None:   # eager qo_indptr
+            queries = refilled_query_layout(
+                plan.queries, tensors[-1], group=options.num_qo_heads // options.num_kv_heads,
+                seq_lens=None, tile_queries=tile_queries)   # the table is on the device
+            if queries is None:
+                return None
+            plan = replace(plan, queries=queries, total_queries=queries.total)
+            self._memo = (*memo[:3], plan, *memo[4:])
         memo[4].with_pointers(*memo[5])
-        if memo[3].guard is not None:
-            memo[3].guard.arm()
-        return memo[3]
+        if plan.guard is not None:
+            plan.guard.arm()
+        return plan
 
     def plan(self, tensors: tuple, table: PageTableArgs, options: PlanOptions,
              queries: QueryLayout | None = None) -> DecodePlan:
@@ -349,8 +363,10 @@ class Planner:
                         None if queries is None else queries.indptr.data_ptr() % 16))
         call = (leading, [*(t.data_ptr() for t in tables), *leading[len(tables):]])
         launch.with_pointers(*call)
-        on_device = ((queries is None or queries.total is None)
-                     and all(t is None or t.device == device for t in tensors))
+        # replan() needs the table on the device (its values are not read) and qo_indptr, read
+        # on the host in eager mode, on either side
+        on_device = all(t is None or t.device == device for t in tensors[:-1]) and (
+            tensors[-1] is None or tensors[-1].device in (device, torch.device("cpu")))
         self._memo = (tensors, tuple(None if t is None else t.shape for t in tensors), options,
                       plan, launch, call) if on_device else None
         return plan

@@ -46,6 +46,38 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     device); seq_lens, where known on the host, bound each row's queries. tile_queries: the
     tile's query tokens per row, fixed (whatever the batch holds, as batch invariance needs),
     else the batch's most."""
+    total, tile = _host_layout(qo_indptr, rows=rows, group=group, device=device,
+                               seq_lens=seq_lens, tile_queries=tile_queries)
+    pinned = _pinned(qo_indptr, device)
+    on_device = qo_indptr if qo_indptr.device == device else (
+        pinned.to(device, non_blocking=True) if pinned is not None else qo_indptr.to(device))
+    return QueryLayout(indptr=on_device, total=total, max_per_row=tile, host_source=pinned)
+
+
+def refilled_query_layout(layout: QueryLayout, qo_indptr: object, *, group: int,
+                          seq_lens: np.ndarray | None,
+                          tile_queries: int | None = None) -> QueryLayout | None:
+    """An eager plan's layout for the same qo_indptr tensor refilled in place: its new values
+    checked as query_layout checks them, then copied into the layout's device buffer (stream
+    ordered: after the kernels already queued that read the old ones; nothing to copy when
+    qo_indptr is that buffer). None, with nothing copied, when the new values need another tile
+    (the plan is then made afresh)."""
+    rows = layout.indptr.shape[0] - 1
+    total, tile = _host_layout(qo_indptr, rows=rows, group=group, device=layout.indptr.device,
+                               seq_lens=seq_lens, tile_queries=tile_queries)
+    if tile != layout.max_per_row:
+        return None
+    pinned = _pinned(qo_indptr, layout.indptr.device)
+    if qo_indptr is not layout.indptr:
+        layout.indptr.copy_(pinned if pinned is not None else qo_indptr,
+                            non_blocking=pinned is not None)
+    return QueryLayout(indptr=layout.indptr, total=total, max_per_row=tile, host_source=pinned)
+
+
+def _host_layout(qo_indptr: object, *, rows: int, group: int, device: torch.device,
+                 seq_lens: np.ndarray | None, tile_queries: int | None) -> tuple[int, int]:
+    """qo_indptr's values checked on the host: (total query tokens, the tile's query tokens a
+    row)."""
     _check_indptr_tensor(qo_indptr)
     if qo_indptr.shape[0] != rows + 1:
         raise ValueError(f"qo_indptr must have batch_size + 1 = {rows + 1} entries, got "
@@ -72,10 +104,6 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
             r = int(over[0])
             raise ValueError(f"row {r} has {counts[r]} query tokens (qo_indptr) but only "
                              f"{seq_lens[r]} tokens in the cache: its queries must be among them")
-    pinned = (qo_indptr.pin_memory() if device.type == "cuda" and qo_indptr.device.type == "cpu"
-              else None)
-    on_device = qo_indptr if qo_indptr.device == device else (
-        pinned.to(device, non_blocking=True) if pinned is not None else qo_indptr.to(device))
     if tile_queries is not None:
         tile = max(2, next_power_of_2(tile_queries))
     elif (counts == 1).all():                 # plain decode: the one-token kernel
@@ -85,8 +113,14 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
     _check_tile(tile, group=group, queries_per_row=(
         f"max_queries_per_row={tile_queries}" if tile_queries is not None
         else f"the batch's most query tokens a row, {most},"))
-    return QueryLayout(indptr=on_device, total=int(indptr[-1]), max_per_row=tile,
-                       host_source=pinned)
+    return int(indptr[-1]), tile
+
+
+def _pinned(qo_indptr: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A pinned copy of a host qo_indptr bound for a CUDA device (the copy then waits for
+    nothing), else None."""
+    return (qo_indptr.pin_memory() if device.type == "cuda" and qo_indptr.device.type == "cpu"
+            else None)
 
 
 def _check_tile(tile: int, *, group: int, queries_per_row: str) -> None:

@@ -205,8 +205,8 @@ class DecodeWrapper:
                 self._options[key] = options
         tensors = (kv_indptr, kv_indices, kv_last_page_len, block_table, seq_lens, qo_indptr)
         graph = self.max_batch_size is not None
-        plan = (None if qo_indptr is not None and not graph
-                else self._planner.replan(tensors, options))
+        plan = self._planner.replan(tensors, options, tile_queries=(
+            None if self.max_queries_per_row == 1 else self.max_queries_per_row))
         if plan is None:
             table = page_table_args(kv_indptr=kv_indptr, kv_indices=kv_indices,
                                     kv_last_page_len=kv_last_page_len, block_table=block_table,
