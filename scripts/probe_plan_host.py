@@ -5,10 +5,14 @@ with four (llama3-8b on an H100, v48), and run() at 10-15 against 14-41 us a lay
 This times both as the bench does (the device idle before each plan) and profiles the plans
 with cProfile, the functions by their own time.
 Run: PYTHONPATH=src python scripts/probe_plan_host.py [--reps 200] [--top 25] [CELL ...]
+--host-only (no GPU; TRITON_INTERPRET=1): plan()'s host Python alone, the kernels' launches
+stubbed out, tables on the CPU: a whole plan of new tensors against a plan of the last call's
+tensors (the replan path), at one and four queries a row.
 """
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import statistics
 import time
@@ -63,12 +67,17 @@ def main() -> None:
                         help=f"of {', '.join(probe_cells.CELLS)}")
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host-only", action="store_true",
+                        help="no GPU: plan()'s host Python, launches stubbed (see the docstring)")
     args = parser.parse_args()
+    if args.host_only:
+        host_only(args.cells, args.reps)
+        return
     unknown = [c for c in args.cells if c not in probe_cells.CELLS]
     if unknown:
         parser.error(f"unknown cells {unknown}; choose from {list(probe_cells.CELLS)}")
     for cell in args.cells:
-        for q_len, fresh in ((1, False), (1, True), (4, False)):
+        for q_len, fresh in ((1, False), (1, True), (4, False), (4, True)):
             kwargs, q, cache = _step(cell, q_len)
             wrapper = DecodeWrapper("HND")
             _times(wrapper, kwargs, q, cache, 20, fresh)                   # compile, warm up
@@ -86,6 +95,37 @@ def main() -> None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
             print(text.getvalue())
+
+
+def host_only(cells: list[str], reps: int) -> None:
+    """plan()'s host time on the CPU with every kernel launch stubbed out: whole plans of new
+    tensors against plans of the same tensors, at one and four queries a row (median of reps)."""
+    from persistentkv import launch
+    launch.BoundLaunch.with_pointers = lambda self, leading, pointers: None
+    for cell in cells:
+        lens = probe_cells.CELLS[cell]
+        pages = [-(-n // HEADS["page_size"]) for n in lens]
+        indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+        kwargs = dict(kv_indptr=indptr, kv_indices=torch.randperm(sum(pages), dtype=torch.int32),
+                      kv_last_page_len=torch.tensor([n - (p - 1) * HEADS["page_size"]
+                                                     for n, p in zip(lens, pages)],
+                                                    dtype=torch.int32), **HEADS)
+        for q_len in (1, 4):
+            if q_len > 1:
+                kwargs["qo_indptr"] = torch.arange(0, (len(lens) + 1) * q_len, q_len,
+                                                   dtype=torch.int32)
+            wrapper = DecodeWrapper("HND")
+            times = {}
+            for fresh in (True, False):
+                samples = []
+                for rep in range(reps + 20):
+                    step = _fresh(kwargs) if fresh else kwargs
+                    t0 = time.perf_counter()
+                    wrapper.plan(**step)
+                    samples.append((time.perf_counter() - t0) * 1e6)
+                times[fresh] = statistics.median(samples[20:])
+            print(f"{cell} q_len {q_len}: plan of new tensors {times[True]:.1f} us, of the same "
+                  f"tensors {times[False]:.1f} us (host only, launches stubbed)")
 
 
 if __name__ == "__main__":
