@@ -187,6 +187,38 @@ def test_eager_replan_of_a_refilled_qo_indptr(monkeypatch, backend, where):
     assert wrapper.current_plan is last and len(whole) == 2
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graph capture needs a GPU")
+def test_eager_replan_of_a_host_qo_indptr_captured_in_a_graph():
+    """An eager plan() of the same tensors captured in a CUDA graph (the replan path, a host
+    qo_indptr: its pinned copy is what the graph copies from): replays compute the values of
+    the capture, whatever the host tensor holds later, and an eager plan() after it takes the
+    new ones. Against the float64 reference, NaN-poisoned."""
+    case = make_case(seq_lens=[70, 9, 130, 33], **HEADS, layout="HND", seed=41)
+    table = csr_kwargs(case.table)
+    wrapper = DecodeWrapper(case.layout)
+    q, values = queries(case, [3, 1, 4, 2], seed=41)
+    indptr = values.clone()
+    out = torch.full_like(q, float("nan"))
+    wrapper.plan(**table, **HEADS, qo_indptr=indptr)
+    wrapper.run(q, case.kv_cache, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.plan(**table, **HEADS, qo_indptr=indptr)
+        wrapper.run(q, case.kv_cache, out=out)
+    indptr.copy_(torch.tensor([0, 1, 2, 6, 10], dtype=torch.int32))   # after the capture
+    ref, _ = reference_decode(q, case.kv_cache, layout=case.layout, qo_indptr=values, **table)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, ref) <= TOLERANCE[q.dtype]
+    ref, _ = reference_decode(q, case.kv_cache, layout=case.layout, qo_indptr=indptr, **table)
+    wrapper.plan(**table, **HEADS, qo_indptr=indptr)
+    out.fill_(float("nan"))
+    wrapper.run(q, case.kv_cache, out=out)
+    assert relative_error(out, ref) <= TOLERANCE[q.dtype]
+
+
 # every example compiles new kernel variants on a GPU (seconds each); the interpreter has none
 @settings(max_examples=12 if ON_GPU else 25, deadline=None, derandomize=True)
 @given(st.data())
