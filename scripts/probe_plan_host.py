@@ -118,7 +118,7 @@ def host_only(cells: list[str], reps: int) -> None:
             times = {}
             for fresh in (True, False):
                 samples = []
-                for rep in range(reps + 20):
+                for _ in range(reps + 20):
                     step = _fresh(kwargs) if fresh else kwargs
                     t0 = time.perf_counter()
                     wrapper.plan(**step)

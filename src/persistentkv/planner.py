@@ -242,7 +242,7 @@ class Planner:
         if plan.queries is not None and plan.queries.total is not None:   # eager qo_indptr
             queries = refilled_query_layout(
                 plan.queries, tensors[-1], group=options.num_qo_heads // options.num_kv_heads,
-                seq_lens=None, tile_queries=tile_queries)   # the table is on the device
+                tile_queries=tile_queries)
             if queries is None:
                 return None
             plan = replace(plan, queries=queries, total_queries=queries.total)

@@ -55,16 +55,16 @@ def query_layout(qo_indptr: object, *, rows: int, group: int, device: torch.devi
 
 
 def refilled_query_layout(layout: QueryLayout, qo_indptr: object, *, group: int,
-                          seq_lens: np.ndarray | None,
                           tile_queries: int | None = None) -> QueryLayout | None:
     """An eager plan's layout for the same qo_indptr tensor refilled in place: its new values
-    checked as query_layout checks them, then copied into the layout's device buffer (stream
+    checked as query_layout checks them (the rows' lengths are not known on the host: the page
+    table that replans is on the device), then copied into the layout's device buffer (stream
     ordered: after the kernels already queued that read the old ones; nothing to copy when
     qo_indptr is that buffer). None, with nothing copied, when the new values need another tile
     (the plan is then made afresh)."""
     rows = layout.indptr.shape[0] - 1
     total, tile = _host_layout(qo_indptr, rows=rows, group=group, device=layout.indptr.device,
-                               seq_lens=seq_lens, tile_queries=tile_queries)
+                               seq_lens=None, tile_queries=tile_queries)
     if tile != layout.max_per_row:
         return None
     pinned = _pinned(qo_indptr, layout.indptr.device)

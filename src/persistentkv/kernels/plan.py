@@ -20,6 +20,8 @@ FIRST_READ_FIELDS = 16  # int32 per record of first_pages: the first FIRST_PAGE_
                         # (several query tokens a row) its row's first query, query count, length
 READ_FIELDS = tl.constexpr(FIRST_READ_FIELDS)   # the kernels' names of the two
 QUERY_FIELDS_AT = tl.constexpr(FIRST_PAGE_SLOTS)
+BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
+POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 
 
 def query_fields(*, first_pages: bool, max_queries: int) -> int:
@@ -27,8 +29,6 @@ def query_fields(*, first_pages: bool, max_queries: int) -> int:
     each task's first reads also hold its row's queries (first pages, several queries a row),
     else 0 (the kernels read qo_indptr and row_lens)."""
     return max_queries if first_pages and max_queries > 1 else 0
-BALANCED = tl.constexpr(-2)   # schedule.BALANCED_CODE
-POLICY_EDGES = 8  # edges per feature in the policy's device table, padded with +inf
 
 
 @triton.jit
