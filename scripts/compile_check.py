@@ -41,7 +41,8 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     tile = cfg.tile_shape(tile_rows=max_queries * group, kv_fp8="kv_fp8" in variants)
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    return_lse=False, upcast=False, max_queries=max_queries,
-                                   first_pages=cfg.first_pages, **tile,
+                                   first_pages=cfg.first_pages,
+                                   page_prefetch_tiles=cfg.page_prefetch_tiles, **tile,
                                    **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}

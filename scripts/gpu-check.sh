@@ -13,7 +13,7 @@
 #                                        wholerows|abtree|padrows|widepad|d256regs|d512q|
 #                                        capregs|policycost|mblockcross|smallstep|smallsweep|
 #                                        d512cross|largerows|valueblocks|valuerows|firstpages|
-#                                        stalls|e2e ...]
+#                                        stalls|pagefetch|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -109,6 +109,11 @@
 # (source page), and the same page for B1 L1K at four queries a row (where the merge of 16
 # rows costs about 1 us more than the one-query step's, v26-v27, not known where); about 3
 # minutes;
+# pagefetch: v53's KernelConfig.page_prefetch_tiles (each tile asks the L2 for the page indices
+# of the tile 2 or 4 ahead) against the default on llama3-8b's large and small cells, fp16 HND
+# and fp8 HND_VT per tensor and per token, the columns' order reversed in the second run; then
+# Nsight Compute's stall reasons of the fp8 B32 L8K launch with it (the `stalls` raw page);
+# about 8 minutes for two runs;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -615,6 +620,27 @@ for step in $steps; do
                  python3 -m persistentkv.cli bench --grid --cells "B1 L1K" --q-len 4 \
                  --backends pkv-auto --layers 2 > "$out/stalls/source-q4-b1.csv" 2>&1
                wc -l "$out"/stalls/source-*.csv ;;
+    pagefetch) mkdir -p "$out/pagefetch"   # v53: page indices prefetched into the L2
+               cells="B1 L1K,B8 L1K,B1 L32K,B4 L32K,B8 L8K,B8 L32K,B32 L8K,B16 mix"
+               for i in $repeats; do
+                 cols=pkv-auto,pkv-auto:pagefetch2,pkv-auto:pagefetch4
+                 [ "$i" = 2 ] && cols=pkv-auto:pagefetch4,pkv-auto:pagefetch2,pkv-auto
+                 for kv in "fp16:" "tensor:--kv-fp8 tensor --layout HND_VT" \
+                           "token:--kv-fp8 token --layout HND_VT"; do
+                   tag=${kv%%:*}-$i
+                   timeout 240 python3 -m persistentkv.cli bench --grid --cells "$cells" ${kv#*:} \
+                     --backends $cols --out "$out/pagefetch" --tag $tag \
+                     > "$out/pagefetch/$tag-log.txt" 2>&1
+                   tail -1 "$out/pagefetch/$tag-log.txt"
+                 done
+               done
+               timeout 150 ncu --clock-control none --kernel-name regex:paged_decode \
+                 --launch-skip 2 --launch-count 1 --section WarpStateStats \
+                 --section SchedulerStats --csv --page raw python3 -m persistentkv.cli bench \
+                 --grid --cells "B32 L8K" --kv-fp8 tensor --layout HND_VT \
+                 --backends pkv-auto:pagefetch2 --layers 2 \
+                 > "$out/pagefetch/raw-fp8vt-pagefetch2.csv" 2>&1
+               python3 scripts/stall_table.py "$out"/pagefetch/raw-fp8vt-pagefetch2.csv ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"

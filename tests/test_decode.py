@@ -399,6 +399,48 @@ def test_first_pages_from_the_planner(backend, page, layout, form, slots):
     assert torch.equal(outs[0], outs[1])
 
 
+_PREFETCH_ON_GPU = pytest.mark.skipif(not ON_GPU, reason="the interpreter compiles the prefetch "
+                                      "out: the HND case checks the option's way to the kernel")
+
+
+@pytest.mark.parametrize("layout, form", [
+    ("HND", "csr"), pytest.param("HND_VT", "block", marks=_PREFETCH_ON_GPU),
+    pytest.param("NHD", "block", marks=_PREFETCH_ON_GPU)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_page_prefetch(backend, layout, form):
+    """KernelConfig(page_prefetch_tiles=N): each K/V tile also asks the L2 for the page indices of
+    the tile N ahead, clamped to its task's last page (rows of 5 and 40 tokens are shorter than
+    the distance). Against the float64 reference, NaN-poisoned, and bitwise equal to the
+    default's output (a prefetch changes no value). The prefetch is PTX: the interpreter
+    compiles it out (decode.HW_PREFETCH), so on the CPU this checks the option's way from the
+    config to the kernel; on a GPU, rows of 9K and 20K tokens run it hundreds of tiles deep."""
+    import dataclasses
+
+    from persistentkv.kernels.decode import decode_constexprs
+    from persistentkv.tuning import KernelConfig
+
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    config = KernelConfig(block_n=32, long_block_n=64, long_from_tokens=256, num_stages=2)
+    assert decode_constexprs(num_kv_heads=2, group=4, head_dim=64, page_size=16, block_n=32,
+                             return_lse=False, upcast=False,
+                             page_prefetch_tiles=3)["PAGE_PREFETCH"] == 3
+    case = make_case(seq_lens=[700, 40, 300, 5, 129] + ([9000, 20000] if ON_GPU else []),
+                     **heads, layout=layout)
+    table = csr_kwargs(case.table) if form == "csr" else block_kwargs(case.table)
+    outs = []
+    for tiles in (0, 2) + ((7,) if ON_GPU else ()):
+        wrapper = DecodeWrapper(layout)
+        wrapper.plan(**table, **heads, **schedule(backend, 2),
+                     config=dataclasses.replace(config, page_prefetch_tiles=tiles))
+        out = wrapper.run(case.q, case.kv_cache, out=torch.full_like(case.q, float("nan")))
+        check(case, wrapper, out)
+        outs.append(out)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    with pytest.raises(ValueError, match="KernelConfig.page_prefetch_tiles must be an int >= 0, "
+                                         "got -1"):
+        KernelConfig(page_prefetch_tiles=-1)
+
+
 def test_long_tile_config_is_checked():
     from persistentkv.tuning import KernelConfig
 

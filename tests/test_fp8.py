@@ -2,6 +2,7 @@
 several queries and the variants, against the float64 reference on the values the cache stands
 for; quantization on append (saturating, per-token scales that never rescale earlier tokens);
 and the errors for missing or bad scales."""
+import dataclasses
 import math
 
 import pytest
@@ -107,6 +108,21 @@ def test_fp8_tiles(config):
         _check(case, granularity, backend="split", split_pages=3, heads=dict(heads, config=config))
     with pytest.raises(ValueError, match="KernelConfig.fp8_block_n must be a power of two >= 16, got 24"):
         KernelConfig(fp8_block_n=24)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the page prefetch is PTX, which the interpreter "
+                                        "compiles out (tests/test_decode.py checks its way there)")
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_fp8_page_prefetch(granularity):
+    """An fp8 HND_VT cache (the layout issue 18's steps read) with each tile prefetching the page
+    indices of the tile 3 ahead: rows of 20K and 9K tokens and ones shorter than the distance,
+    split and balanced."""
+    heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    config = dataclasses.replace(default_config(head_dim=128, num_kv_heads=8),
+                                 page_prefetch_tiles=3)
+    case = make_case(seq_lens=[20000, 9000, 70, 1], **heads, layout="HND_VT", seed=6)
+    for backend in ("split", "balanced"):
+        _check(case, granularity, backend=backend, heads=dict(heads, config=config))
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD", "HND_VT"])

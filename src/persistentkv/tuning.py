@@ -94,6 +94,10 @@ class KernelConfig:
     so that q's load waits on the record's index only, not on qo_indptr after the record.
     Off by default: 1-3% faster on a few small steps at groups 4 and 7, up to 9% slower at
     group 8 with one KV head (docs/perf-notes.md v51).
+    page_prefetch_tiles: each K/V tile also asks the L2 for the page indices of the tile this
+    many tiles ahead (0: off), so that the page table's reads, one DRAM miss a tile behind the
+    K/V stream's, land before the pipelined loads need them (docs/perf-notes.md v53). An
+    experiment, off by default until measured.
     """
 
     block_n: int = 64
@@ -118,6 +122,7 @@ class KernelConfig:
     value_block_stages: int | None = None
     value_block_rows: int = 64
     first_pages: bool = False
+    page_prefetch_tiles: int = 0
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -239,7 +244,7 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        for name in ("balanced_from_tokens", "small_step_kv_bytes_per_sm"):
+        for name in ("balanced_from_tokens", "small_step_kv_bytes_per_sm", "page_prefetch_tiles"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"KernelConfig.{name} must be an int >= 0, got {value!r}")

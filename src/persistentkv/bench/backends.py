@@ -449,7 +449,8 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "valueblocks": ("value_blocks", int),
                    "valuestages": ("value_block_stages", lambda text: int(text) or None),
                    "valuerows": ("value_block_rows", int),
-                   "firstpages": ("first_pages", _FLAG)}
+                   "firstpages": ("first_pages", _FLAG),
+                   "pagefetch": ("page_prefetch_tiles", int)}
 
 
 def _override_suffix(overrides: dict) -> str:

@@ -24,6 +24,7 @@ from .softmax import online_softmax_step
 ONE_LEVEL_SPLITS = tl.constexpr(16)   # rows of more splits merge in two levels (_merge_split)
 LOG2_E = tl.constexpr(1.4426950408889634)
 HW_TANH = tl.constexpr(not interpreting())   # _tanh: the hardware instruction, off the interpreter
+HW_PREFETCH = tl.constexpr(not interpreting())   # _prefetch_l2: PTX, which the interpreter lacks
 
 
 class Task(NamedTuple):
@@ -102,6 +103,7 @@ class Tile(NamedTuple):
     D_BLOCKS: tl.constexpr
     FIRST_PAGES: tl.constexpr
     QUERY_FIELDS: tl.constexpr
+    PAGE_PREFETCH: tl.constexpr
 
 
 class Features(NamedTuple):
@@ -133,6 +135,14 @@ def _tanh(x):
         x2 = x * x
         y = tl.where(tl.abs(x) < 0.015625, x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0))), y)
     return y
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Asks the L2 for the lines at ptrs (prefetch.global.L2::evict_last: kept ahead of the K/V
+    stream's lines); nothing waits for them."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                              [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -213,6 +223,10 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first
             nxt = tok + BLOCK_N
             pages, in_pages = nxt // PAGE_SIZE, nxt < tok_hi
         page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
+        if HW_PREFETCH and tile.PAGE_PREFETCH > 0:   # a later tile's page indices, into the L2
+            ahead = tl.minimum((start + tile.PAGE_PREFETCH * BLOCK_N + offs_n) // PAGE_SIZE,
+                               (tok_hi - 1) // PAGE_SIZE)
+            _prefetch_l2(indices_ptr + page_start + ahead)
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         if feat.V_T:   # whole pages: the slots of a row's last page past its length are read too
@@ -559,7 +573,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         TOKEN_SCALES: tl.constexpr, PDL: tl.constexpr, V_T: tl.constexpr,
                         BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr,
                         M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr,
-                        FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr):
+                        FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr,
+                        PAGE_PREFETCH: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -601,7 +616,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     # constexpr tuples stay compile-time only when annotated so
     tile: tl.constexpr = Tile(NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE,
                               BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS,
-                              FIRST_PAGES, QUERY_FIELDS)
+                              FIRST_PAGES, QUERY_FIELDS, PAGE_PREFETCH)
     feat: tl.constexpr = Features(RETURN_LSE, UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8,
                                   TOKEN_SCALES, V_T)
     programs = tl.num_programs(0)
@@ -638,7 +653,7 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       v_transposed: bool = False, long_block_n: int = 0,
                       long_from_tokens: int = 0, m_blocks: int = 1,
                       g_pad: int | None = None, d_blocks: int = 1,
-                      first_pages: bool = False) -> dict:
+                      first_pages: bool = False, page_prefetch_tiles: int = 0) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -652,7 +667,9 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     that share a task's output columns, head_dim / d_blocks each (KernelConfig.value_blocks);
     first_pages: the first K/V tile's pages come from the planner's copy
     (KernelConfig.first_pages), where a tile spans at most FIRST_PAGE_SLOTS pages, and with
-    max_queries > 1 each task's row's queries too (wherever its pages come from)."""
+    max_queries > 1 each task's row's queries too (wherever its pages come from);
+    page_prefetch_tiles: each tile asks the L2 for the page indices of the tile this many ahead
+    (KernelConfig.page_prefetch_tiles; 0: off; the interpreter compiles it out)."""
     rows = next_power_of_2(max_queries * group)
     if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
         raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
@@ -678,4 +695,5 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 FIRST_PAGES=FIRST_PAGE_SLOTS if first_pages and -(-max(block_n, long_block_n)
                                                                  // page_size) <= FIRST_PAGE_SLOTS
                 else 0,
-                QUERY_FIELDS=query_fields(first_pages=first_pages, max_queries=max_queries))
+                QUERY_FIELDS=query_fields(first_pages=first_pages, max_queries=max_queries),
+                PAGE_PREFETCH=page_prefetch_tiles)
