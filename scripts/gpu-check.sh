@@ -619,7 +619,8 @@ for step in $steps; do
                  --section WarpStateStats --csv --page source --print-source sass \
                  python3 -m persistentkv.cli bench --grid --cells "B1 L1K" --q-len 4 \
                  --backends pkv-auto --layers 2 > "$out/stalls/source-q4-b1.csv" 2>&1
-               wc -l "$out"/stalls/source-*.csv ;;
+               python3 scripts/stall_table.py "$out"/stalls/raw-{fp16,fp8vt}.csv
+               python3 scripts/stall_table.py --source --top 12 "$out"/stalls/source-*.csv ;;
     pagefetch) mkdir -p "$out/pagefetch"   # v53: page indices prefetched into the L2
                cells="B1 L1K,B8 L1K,B1 L32K,B4 L32K,B8 L8K,B8 L32K,B32 L8K,B16 mix"
                for i in $repeats; do

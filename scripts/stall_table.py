@@ -53,6 +53,7 @@ def stall_reasons(path: Path) -> dict[str, float]:
 
 
 def print_reasons(paths: list[Path]) -> None:
+    """One row a stall reason, one column a raw page, ordered by the largest of a row."""
     tables = [stall_reasons(path) for path in paths]
     order = sorted(tables[0], key=lambda reason: -max(t.get(reason, 0.0) for t in tables))
     names = [path.stem for path in paths]
@@ -65,6 +66,7 @@ def print_reasons(paths: list[Path]) -> None:
 
 
 def print_source(path: Path, *, top: int) -> None:
+    """The `top` instructions of a source page by stall samples, with their two main reasons."""
     rows = _csv_rows(path)
     start = next((i for i, row in enumerate(rows) if "Source" in row), 0)   # after the kernel's name
     header, rows = rows[start], rows[start:]
