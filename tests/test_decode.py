@@ -413,7 +413,8 @@ def test_page_prefetch(backend, layout, form):
     the distance). Against the float64 reference, NaN-poisoned, and bitwise equal to the
     default's output (a prefetch changes no value). The prefetch is PTX: the interpreter
     compiles it out (decode.HW_PREFETCH), so on the CPU this checks the option's way from the
-    config to the kernel; on a GPU, rows of 9K and 20K tokens run it hundreds of tiles deep."""
+    config to the kernel; on a GPU, rows of 9K and 20K tokens run it hundreds of tiles deep
+    (grouped and balanced tasks; split ones of 2 pages clamp it to their one tile)."""
     import dataclasses
 
     from persistentkv.kernels.decode import decode_constexprs
