@@ -111,9 +111,9 @@
 # minutes;
 # pagefetch: v53's KernelConfig.page_prefetch_tiles (each tile asks the L2 for the page indices
 # of the tile 2 or 4 ahead) against the default on llama3-8b's large and small cells, fp16 HND
-# and fp8 HND_VT per tensor and per token, the columns' order reversed in the second run; then
-# Nsight Compute's stall reasons of the fp8 B32 L8K launch with it (the `stalls` raw page);
-# about 8 minutes for two runs;
+# and fp8 HND_VT per tensor and per token (PAGEFETCH_CACHES="fp16 tensor token", a subset to
+# run fewer), the columns' order reversed in the second run; then Nsight Compute's stall reasons
+# of the fp8 B32 L8K launch with it (the `stalls` raw page); about 8 minutes for two runs;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -629,6 +629,7 @@ for step in $steps; do
                  for kv in "fp16:" "tensor:--kv-fp8 tensor --layout HND_VT" \
                            "token:--kv-fp8 token --layout HND_VT"; do
                    tag=${kv%%:*}-$i
+                   [[ " ${PAGEFETCH_CACHES:-fp16 tensor token} " == *" ${kv%%:*} "* ]] || continue
                    timeout 240 python3 -m persistentkv.cli bench --grid --cells "$cells" ${kv#*:} \
                      --backends $cols --out "$out/pagefetch" --tag $tag \
                      > "$out/pagefetch/$tag-log.txt" 2>&1
