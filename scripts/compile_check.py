@@ -42,7 +42,9 @@ def compile_decode(*, arch: int, group: int, head_dim: int, config=None, max_que
     constexprs = decode_constexprs(num_kv_heads=8, group=group, head_dim=head_dim, page_size=16,
                                    return_lse=False, upcast=False, max_queries=max_queries,
                                    first_pages=cfg.first_pages,
-                                   page_prefetch_tiles=cfg.page_prefetch_tiles, **tile,
+                                   page_prefetch_tiles=cfg.page_prefetch_tiles,
+                                   page_prefetch_task=cfg.page_prefetch_task,
+                                   keep_page_table=cfg.keep_page_table, **tile,
                                    **{name: True for name in variants})
     names = paged_decode_kernel.arg_names
     signature = {}

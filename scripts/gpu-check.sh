@@ -110,10 +110,12 @@
 # rows costs about 1 us more than the one-query step's, v26-v27, not known where); about 3
 # minutes;
 # pagefetch: v53's KernelConfig.page_prefetch_tiles (each tile asks the L2 for the page indices
-# of the tile 2 or 4 ahead) against the default on llama3-8b's large and small cells, fp16 HND
+# of the tile 2 or 4 ahead), v55's page_prefetch_task (each task for all its own at its start)
+# and keep_page_table (the index loads marked evict_last) against the default on llama3-8b's
+# large and small cells, fp16 HND
 # and fp8 HND_VT per tensor and per token (PAGEFETCH_CACHES="fp16 tensor token", a subset to
 # run fewer), the columns' order reversed in the second run; then Nsight Compute's stall reasons
-# of the fp8 B32 L8K launch with it (the `stalls` raw page); about 8 minutes for two runs;
+# of the fp8 B32 L8K launch with it (the `stalls` raw page); about 12 minutes for two runs;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -624,8 +626,9 @@ for step in $steps; do
     pagefetch) mkdir -p "$out/pagefetch"   # v53: page indices prefetched into the L2
                cells="B1 L1K,B8 L1K,B1 L32K,B4 L32K,B8 L8K,B8 L32K,B32 L8K,B16 mix"
                for i in $repeats; do
-                 cols=pkv-auto,pkv-auto:pagefetch2,pkv-auto:pagefetch4
-                 [ "$i" = 2 ] && cols=pkv-auto:pagefetch4,pkv-auto:pagefetch2,pkv-auto
+                 cols=pkv-auto,pkv-auto:pagefetch2,pkv-auto:pagefetch4,pkv-auto:taskfetch1
+                 cols=$cols,pkv-auto:keeptable1
+                 [ "$i" = 2 ] && cols=$(tr , '\n' <<< "$cols" | tac | paste -sd,)
                  for kv in "fp16:" "tensor:--kv-fp8 tensor --layout HND_VT" \
                            "token:--kv-fp8 token --layout HND_VT"; do
                    tag=${kv%%:*}-$i

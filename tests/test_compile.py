@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,13 +48,14 @@ def test_decode_kernel_reading_the_first_pages_compiles_pipelined():
     assert "stack 0 B" in line and int(re.search(r"deepest wait_group (\d+)", line).group(1)) >= 1
 
 
-def test_decode_kernel_prefetching_page_indices_compiles_pipelined():
-    """KernelConfig.page_prefetch_tiles (fp8 HND_VT, the step it is for): the prefetch is PTX,
-    which the interpreter compiles out, so only here is it seen to reach the kernel (more
-    instructions than without it), with no spill and the K/V loads still pipelined."""
+@pytest.mark.parametrize("fetch", ["page_prefetch_tiles=3", "page_prefetch_task=1"])
+def test_decode_kernel_prefetching_page_indices_compiles_pipelined(fetch):
+    """KernelConfig.page_prefetch_tiles and page_prefetch_task (fp8 HND_VT, the step they are
+    for): the prefetch is PTX, which the interpreter compiles out, so only here is it seen to
+    reach the kernel (more instructions than without it), with no spill and the K/V loads
+    still pipelined."""
     fp8 = ("--variants", "kv_fp8,v_transposed")
-    off, on = (_compile_check(*fp8, *config)[0]
-               for config in ((), ("--config", "page_prefetch_tiles=3")))
+    off, on = (_compile_check(*fp8, *config)[0] for config in ((), ("--config", fetch)))
     count = [int(re.search(r"(\d+) instructions", line).group(1)) for line in (off, on)]
     assert count[1] > count[0], (off, on)
     assert "stack 0 B" in on and int(re.search(r"deepest wait_group (\d+)", on).group(1)) >= 1

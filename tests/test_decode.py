@@ -408,13 +408,16 @@ _PREFETCH_ON_GPU = pytest.mark.skipif(not ON_GPU, reason="the interpreter compil
     pytest.param("NHD", "block", marks=_PREFETCH_ON_GPU)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_page_prefetch(backend, layout, form):
-    """KernelConfig(page_prefetch_tiles=N): each K/V tile also asks the L2 for the page indices of
-    the tile N ahead, clamped to its task's last page (rows of 5 and 40 tokens are shorter than
-    the distance). Against the float64 reference, NaN-poisoned, and bitwise equal to the
-    default's output (a prefetch changes no value). The prefetch is PTX: the interpreter
-    compiles it out (decode.HW_PREFETCH), so on the CPU this checks the option's way from the
-    config to the kernel; on a GPU, rows of 9K and 20K tokens run it hundreds of tiles deep
-    (grouped and balanced tasks; split ones of 2 pages clamp it to their one tile)."""
+    """How the page indices are fetched: KernelConfig(page_prefetch_tiles=N), each K/V tile also
+    asks the L2 for the page indices of the tile N ahead, clamped to its task's last page (rows
+    of 5 and 40 tokens are shorter than the distance); page_prefetch_task, each task asks for
+    all of its own at its start; keep_page_table, the index loads marked evict_last. Against
+    the float64 reference, NaN-poisoned, and bitwise equal to the default's output (none
+    changes a value). The prefetches are PTX: the interpreter compiles them out
+    (decode.HW_PREFETCH), so on the CPU this checks the options' way from the config to the
+    kernel; on a GPU, rows of 9K and 20K tokens run them hundreds of tiles deep (grouped and
+    balanced tasks; split ones of 2 pages clamp the distance to their one tile), and a task's
+    prefetch loop more than once (past 8 x block_n pages)."""
     import dataclasses
 
     from persistentkv.kernels.decode import decode_constexprs
@@ -422,17 +425,22 @@ def test_page_prefetch(backend, layout, form):
 
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
     config = KernelConfig(block_n=32, long_block_n=64, long_from_tokens=256, num_stages=2)
-    assert decode_constexprs(num_kv_heads=2, group=4, head_dim=64, page_size=16, block_n=32,
-                             return_lse=False, upcast=False,
-                             page_prefetch_tiles=3)["PAGE_PREFETCH"] == 3
+    constexprs = decode_constexprs(num_kv_heads=2, group=4, head_dim=64, page_size=16,
+                                   block_n=32, return_lse=False, upcast=False,
+                                   page_prefetch_tiles=3, page_prefetch_task=True,
+                                   keep_page_table=True)
+    assert (constexprs["PAGE_PREFETCH"], constexprs["PAGE_PREFETCH_TASK"],
+            constexprs["PAGE_KEEP"]) == (3, True, True)
     case = make_case(seq_lens=[700, 40, 300, 5, 129] + ([9000, 20000] if ON_GPU else []),
                      **heads, layout=layout)
     table = csr_kwargs(case.table) if form == "csr" else block_kwargs(case.table)
     outs = []
-    for tiles in (0, 2) + ((7,) if ON_GPU else ()):
+    fetches = [{}, dict(page_prefetch_tiles=2), dict(page_prefetch_task=True),
+               dict(keep_page_table=True)] + ([dict(page_prefetch_tiles=7)] if ON_GPU else [])
+    for fetch in fetches:
         wrapper = DecodeWrapper(layout)
         wrapper.plan(**table, **heads, **schedule(backend, 2),
-                     config=dataclasses.replace(config, page_prefetch_tiles=tiles))
+                     config=dataclasses.replace(config, **fetch))
         out = wrapper.run(case.q, case.kv_cache, out=torch.full_like(case.q, float("nan")))
         check(case, wrapper, out)
         outs.append(out)
@@ -440,6 +448,9 @@ def test_page_prefetch(backend, layout, form):
     with pytest.raises(ValueError, match="KernelConfig.page_prefetch_tiles must be an int >= 0, "
                                          "got -1"):
         KernelConfig(page_prefetch_tiles=-1)
+    for name in ("page_prefetch_task", "keep_page_table"):
+        with pytest.raises(ValueError, match=f"KernelConfig.{name} must be a bool, got 1"):
+            KernelConfig(**{name: 1})
 
 
 def test_long_tile_config_is_checked():

@@ -115,14 +115,16 @@ def test_fp8_tiles(config):
 @pytest.mark.parametrize("granularity", ["tensor", "token"])
 def test_fp8_page_prefetch(granularity):
     """An fp8 HND_VT cache (the layout issue 18's steps read) with each tile prefetching the page
-    indices of the tile 3 ahead: rows of 20K and 9K tokens and ones shorter than the distance,
+    indices of the tile 3 ahead, with each task prefetching all of its own, and with the index
+    loads marked evict_last: rows of 20K and 9K tokens and ones shorter than the distance,
     split and balanced."""
     heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
-    config = dataclasses.replace(default_config(head_dim=128, num_kv_heads=8),
-                                 page_prefetch_tiles=3)
     case = make_case(seq_lens=[20000, 9000, 70, 1], **heads, layout="HND_VT", seed=6)
-    for backend in ("split", "balanced"):
-        _check(case, granularity, backend=backend, heads=dict(heads, config=config))
+    for fetch in (dict(page_prefetch_tiles=3), dict(page_prefetch_task=True),
+                  dict(keep_page_table=True)):
+        config = dataclasses.replace(default_config(head_dim=128, num_kv_heads=8), **fetch)
+        for backend in ("split", "balanced"):
+            _check(case, granularity, backend=backend, heads=dict(heads, config=config))
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD", "HND_VT"])

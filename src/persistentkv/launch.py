@@ -223,6 +223,7 @@ class DecodeLauncher:
             sinks=sinks is not None, kv_fp8=fp8, token_scales=kv_scales is not None,
             v_transposed=self.kv_layout == "HND_VT", first_pages=cfg.first_pages,
             page_prefetch_tiles=cfg.page_prefetch_tiles,
+            page_prefetch_task=cfg.page_prefetch_task, keep_page_table=cfg.keep_page_table,
             **cfg.tile_shape(tile_rows=max_queries * group, kv_fp8=fp8))
         max_registers = cfg.registers(tile_rows=max_queries * group)
         num_stages = cfg.stages(tile_rows=max_queries * group)

@@ -29,7 +29,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                  v_transposed: bool = False, max_registers: int | None = None,
                  long_block_n: int = 0, long_from_tokens: int = 0,
                  m_blocks: int = 1, g_pad: int = 0, d_blocks: int = 1,
-                 read_first_pages: bool = False, page_prefetch_tiles: int = 0) -> torch.Tensor:
+                 read_first_pages: bool = False, page_prefetch_tiles: int = 0,
+                 page_prefetch_task: bool = False, keep_page_table: bool = False) -> torch.Tensor:
     """out [total_q, Hq, D] = paged decode attention of q [total_q, Hq, D] (kernels/decode.py;
     max_queries 1: one query per row, qo_indptr unread; window_left -1, logits_soft_cap 0 and
     sinks None: off; an fp8 k, v: scaled by k_scale and v_scale, or per token by kv_scales;
@@ -39,7 +40,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
     programs that share a task's tile rows; g_pad: rows of a program's tile, 0 for the
     tile's own; d_blocks: programs that share a task's output columns; read_first_pages: the
     first K/V tile's pages from the planner's copy in first_pages, KernelConfig.first_pages;
-    page_prefetch_tiles: KernelConfig's, the tile whose page indices each tile prefetches).
+    page_prefetch_tiles, page_prefetch_task, keep_page_table: KernelConfig's, how the page
+    indices are fetched).
 
     cache_strides: (page, head, token, K-to-V) strides of the pool in elements.
 
@@ -66,7 +68,9 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: tor
                             long_from_tokens=long_from_tokens, m_blocks=m_blocks,
                             g_pad=g_pad or None, d_blocks=d_blocks,
                             first_pages=read_first_pages,
-                            page_prefetch_tiles=page_prefetch_tiles),
+                            page_prefetch_tiles=page_prefetch_tiles,
+                            page_prefetch_task=page_prefetch_task,
+                            keep_page_table=keep_page_table),
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": max_registers} if max_registers is not None and not interpreting() else {}))
     return out
@@ -79,7 +83,8 @@ def _paged_decode_fake(q, k, v, indices, qo_indptr, sinks, kv_scales, k_scale, v
                        block_n, num_warps, num_stages, max_queries, window_left, logits_soft_cap,
                        pdl=False, v_transposed=False, max_registers=None, long_block_n=0,
                        long_from_tokens=0, m_blocks=1, g_pad=0, d_blocks=1,
-                       read_first_pages=False, page_prefetch_tiles=0):
+                       read_first_pages=False, page_prefetch_tiles=0,
+                       page_prefetch_task=False, keep_page_table=False):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -136,4 +141,5 @@ def traced_decode(plan, q, kv_cache, out, return_lse: bool, sinks=None,
                         plan.logits_soft_cap, use_pdl(cfg, q.device), kv_layout == "HND_VT",
                         cfg.registers(tile_rows=tile_rows), tile["long_block_n"],
                         tile["long_from_tokens"], tile["m_blocks"], tile["g_pad"],
-                        tile["d_blocks"], cfg.first_pages, cfg.page_prefetch_tiles)
+                        tile["d_blocks"], cfg.first_pages, cfg.page_prefetch_tiles,
+                        cfg.page_prefetch_task, cfg.keep_page_table)

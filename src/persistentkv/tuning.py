@@ -98,6 +98,12 @@ class KernelConfig:
     many tiles ahead (0: off), so that the page table's reads, one DRAM miss a tile behind the
     K/V stream's, land before the pipelined loads need them (docs/perf-notes.md v53). An
     experiment, off by default until measured.
+    page_prefetch_task: each task asks the L2 for all its page indices at its start, one a
+    32-byte sector (page_prefetch_tiles' aim, with one prefetch a task instead of one a tile;
+    docs/perf-notes.md v55). An experiment, off by default until measured.
+    keep_page_table: the page indices are loaded marked evict_last, so that the page table, the
+    same for every layer of a step, stays in the L2 past the K/V stream between two layers'
+    launches (docs/perf-notes.md v55). An experiment, off by default until measured.
     """
 
     block_n: int = 64
@@ -123,6 +129,8 @@ class KernelConfig:
     value_block_rows: int = 64
     first_pages: bool = False
     page_prefetch_tiles: int = 0
+    page_prefetch_task: bool = False
+    keep_page_table: bool = False
 
     def step_size(self, *, kv_bytes: int, exact: bool, sm_count: int) -> str:
         """'small', 'large' or 'either' for a step whose page table can hold kv_bytes of K/V
@@ -270,7 +278,7 @@ class KernelConfig:
         if self.long_block_n is not None and self.long_block_n <= self.block_n:
             raise ValueError(f"KernelConfig.long_block_n must be None or above block_n "
                              f"({self.block_n}), got {self.long_block_n!r}")
-        for name in ("one_round", "pdl", "first_pages"):
+        for name in ("one_round", "pdl", "first_pages", "page_prefetch_task", "keep_page_table"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         value = self.max_registers

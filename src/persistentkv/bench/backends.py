@@ -450,7 +450,9 @@ CONFIG_SUFFIXES = {"warps": ("num_warps", int), "stages": ("num_stages", int),
                    "valuestages": ("value_block_stages", lambda text: int(text) or None),
                    "valuerows": ("value_block_rows", int),
                    "firstpages": ("first_pages", _FLAG),
-                   "pagefetch": ("page_prefetch_tiles", int)}
+                   "pagefetch": ("page_prefetch_tiles", int),
+                   "taskfetch": ("page_prefetch_task", _FLAG),
+                   "keeptable": ("keep_page_table", _FLAG)}
 
 
 def _override_suffix(overrides: dict) -> str:

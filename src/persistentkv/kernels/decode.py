@@ -104,6 +104,8 @@ class Tile(NamedTuple):
     FIRST_PAGES: tl.constexpr
     QUERY_FIELDS: tl.constexpr
     PAGE_PREFETCH: tl.constexpr
+    PAGE_PREFETCH_TASK: tl.constexpr
+    PAGE_KEEP: tl.constexpr
 
 
 class Features(NamedTuple):
@@ -143,6 +145,27 @@ def _prefetch_l2(ptrs):
     stream's lines); nothing waits for them."""
     tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
                               [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_task_pages(row_pages_ptr, tok_lo, tok_hi, offs_n, PAGE_SIZE: tl.constexpr):
+    """Asks the L2 for the page indices of tokens [tok_lo, tok_hi) of a row whose table starts
+    at row_pages_ptr: one index of each 32-byte sector (8 int32), offs_n's length of them at a
+    time (_prefetch_l2); nothing waits for them."""
+    SECTOR: tl.constexpr = 8
+    first = tok_lo // PAGE_SIZE
+    last = (tok_hi - 1) // PAGE_SIZE
+    for at in tl.range(first, last + 1, offs_n.shape[0] * SECTOR, num_stages=1):
+        _prefetch_l2(row_pages_ptr + tl.minimum(at + offs_n * SECTOR, last))
+
+
+@triton.jit
+def _load_pages(ptrs, mask, KEEP: tl.constexpr):
+    """The page indices at ptrs (0 where masked); KEEP: marked evict_last in the L2, so that the
+    page table, which every layer of a step reads, outlasts the K/V stream between layers."""
+    if KEEP:
+        return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_last")
+    return tl.load(ptrs, mask=mask, other=0)
 
 
 @triton.jit
@@ -199,10 +222,12 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first
     else:
         tok = tok_lo + offs_n
         pages, in_pages = tok // PAGE_SIZE, tok < tok_hi
+    if HW_PREFETCH and tile.PAGE_PREFETCH_TASK:   # all the task's page indices, into the L2
+        _prefetch_task_pages(indices_ptr + page_start, tok_lo, tok_hi, offs_n, PAGE_SIZE)
     if tile.FIRST_PAGES > 0:   # loaded beside the record: one dependent load less
         page = first_pages
     else:
-        page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
+        page = _load_pages(indices_ptr + page_start + pages, in_pages, tile.PAGE_KEEP)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
         if feat.V_T:
             start = tl.multiple_of(start, PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N)
@@ -222,7 +247,7 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first
         else:
             nxt = tok + BLOCK_N
             pages, in_pages = nxt // PAGE_SIZE, nxt < tok_hi
-        page = tl.load(indices_ptr + page_start + pages, mask=in_pages, other=0)
+        page = _load_pages(indices_ptr + page_start + pages, in_pages, tile.PAGE_KEEP)
         if HW_PREFETCH and tile.PAGE_PREFETCH > 0:   # a later tile's page indices, into the L2
             ahead = tl.minimum((start + tile.PAGE_PREFETCH * BLOCK_N + offs_n) // PAGE_SIZE,
                                (tok_hi - 1) // PAGE_SIZE)
@@ -574,7 +599,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         BLOCK_N_LONG: tl.constexpr, LONG_FROM: tl.constexpr,
                         M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr,
                         FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr,
-                        PAGE_PREFETCH: tl.constexpr):
+                        PAGE_PREFETCH: tl.constexpr, PAGE_PREFETCH_TASK: tl.constexpr,
+                        PAGE_KEEP: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -616,7 +642,8 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     # constexpr tuples stay compile-time only when annotated so
     tile: tl.constexpr = Tile(NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE,
                               BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS,
-                              FIRST_PAGES, QUERY_FIELDS, PAGE_PREFETCH)
+                              FIRST_PAGES, QUERY_FIELDS, PAGE_PREFETCH, PAGE_PREFETCH_TASK,
+                              PAGE_KEEP)
     feat: tl.constexpr = Features(RETURN_LSE, UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8,
                                   TOKEN_SCALES, V_T)
     programs = tl.num_programs(0)
@@ -653,7 +680,8 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                       v_transposed: bool = False, long_block_n: int = 0,
                       long_from_tokens: int = 0, m_blocks: int = 1,
                       g_pad: int | None = None, d_blocks: int = 1,
-                      first_pages: bool = False, page_prefetch_tiles: int = 0) -> dict:
+                      first_pages: bool = False, page_prefetch_tiles: int = 0,
+                      page_prefetch_task: bool = False, keep_page_table: bool = False) -> dict:
     """paged_decode_kernel's compile-time arguments, in signature order. max_queries: the most
     query tokens of a row (a power of two; 1 for decode): the tile has max_queries x group rows.
     window, soft_cap, sinks: which variants the kernel computes (each off costs nothing);
@@ -669,7 +697,10 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
     (KernelConfig.first_pages), where a tile spans at most FIRST_PAGE_SLOTS pages, and with
     max_queries > 1 each task's row's queries too (wherever its pages come from);
     page_prefetch_tiles: each tile asks the L2 for the page indices of the tile this many ahead
-    (KernelConfig.page_prefetch_tiles; 0: off; the interpreter compiles it out)."""
+    (KernelConfig.page_prefetch_tiles; 0: off; the interpreter compiles it out);
+    page_prefetch_task: each task asks the L2 for all its page indices at its start
+    (KernelConfig.page_prefetch_task; compiled out by the interpreter too); keep_page_table: the
+    page indices are loaded marked evict_last (KernelConfig.keep_page_table)."""
     rows = next_power_of_2(max_queries * group)
     if m_blocks != 1 and (m_blocks < 1 or rows % m_blocks or rows // m_blocks < 16):
         raise ValueError(f"m_blocks must cut the tile's {rows} rows into blocks of at least 16, "
@@ -696,4 +727,5 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                                                                  // page_size) <= FIRST_PAGE_SLOTS
                 else 0,
                 QUERY_FIELDS=query_fields(first_pages=first_pages, max_queries=max_queries),
-                PAGE_PREFETCH=page_prefetch_tiles)
+                PAGE_PREFETCH=page_prefetch_tiles, PAGE_PREFETCH_TASK=page_prefetch_task,
+                PAGE_KEEP=keep_page_table)
