@@ -115,7 +115,8 @@
 # large and small cells, fp16 HND
 # and fp8 HND_VT per tensor and per token (PAGEFETCH_CACHES="fp16 tensor token", a subset to
 # run fewer), the columns' order reversed in the second run; then Nsight Compute's stall reasons
-# of the fp8 B32 L8K launch with it (the `stalls` raw page); about 12 minutes for two runs;
+# of the fp8 B32 L8K launch with 2 tiles ahead, the task prefetch and the kept table (the
+# `stalls` raw page, one file each); about 14 minutes for two runs;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -639,13 +640,15 @@ for step in $steps; do
                    tail -1 "$out/pagefetch/$tag-log.txt"
                  done
                done
-               timeout 150 ncu --clock-control none --kernel-name regex:paged_decode \
-                 --launch-skip 2 --launch-count 1 --section WarpStateStats \
-                 --section SchedulerStats --csv --page raw python3 -m persistentkv.cli bench \
-                 --grid --cells "B32 L8K" --kv-fp8 tensor --layout HND_VT \
-                 --backends pkv-auto:pagefetch2 --layers 2 \
-                 > "$out/pagefetch/raw-fp8vt-pagefetch2.csv" 2>&1
-               python3 scripts/stall_table.py "$out"/pagefetch/raw-fp8vt-pagefetch2.csv ;;
+               for fetch in pagefetch2 taskfetch1 keeptable1; do
+                 timeout 150 ncu --clock-control none --kernel-name regex:paged_decode \
+                   --launch-skip 2 --launch-count 1 --section WarpStateStats \
+                   --section SchedulerStats --csv --page raw python3 -m persistentkv.cli bench \
+                   --grid --cells "B32 L8K" --kv-fp8 tensor --layout HND_VT \
+                   --backends pkv-auto:$fetch --layers 2 \
+                   > "$out/pagefetch/raw-fp8vt-$fetch.csv" 2>&1
+               done
+               python3 scripts/stall_table.py "$out"/pagefetch/raw-fp8vt-*.csv ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
