@@ -430,7 +430,7 @@ def test_page_prefetch(backend, layout, form):
                                    page_prefetch_tiles=3, page_prefetch_task=True,
                                    keep_page_table=True)
     assert (constexprs["PAGE_PREFETCH"], constexprs["PAGE_PREFETCH_TASK"],
-            constexprs["PAGE_KEEP"]) == (3, True, True)
+            constexprs["KEEP_PAGE_TABLE"]) == (3, True, True)
     case = make_case(seq_lens=[700, 40, 300, 5, 129] + ([9000, 20000] if ON_GPU else []),
                      **heads, layout=layout)
     table = csr_kwargs(case.table) if form == "csr" else block_kwargs(case.table)

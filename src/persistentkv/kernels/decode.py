@@ -105,7 +105,7 @@ class Tile(NamedTuple):
     QUERY_FIELDS: tl.constexpr
     PAGE_PREFETCH: tl.constexpr
     PAGE_PREFETCH_TASK: tl.constexpr
-    PAGE_KEEP: tl.constexpr
+    KEEP_PAGE_TABLE: tl.constexpr
 
 
 class Features(NamedTuple):
@@ -227,7 +227,7 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first
     if tile.FIRST_PAGES > 0:   # loaded beside the record: one dependent load less
         page = first_pages
     else:
-        page = _load_pages(indices_ptr + page_start + pages, in_pages, tile.PAGE_KEEP)
+        page = _load_pages(indices_ptr + page_start + pages, in_pages, tile.KEEP_PAGE_TABLE)
     for start in tl.range(tok_lo, tok_hi, BLOCK_N):
         if feat.V_T:
             start = tl.multiple_of(start, PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N)
@@ -247,7 +247,7 @@ def _attend_range(q, k_base, v_base, scales_base, indices_ptr, page_start, first
         else:
             nxt = tok + BLOCK_N
             pages, in_pages = nxt // PAGE_SIZE, nxt < tok_hi
-        page = _load_pages(indices_ptr + page_start + pages, in_pages, tile.PAGE_KEEP)
+        page = _load_pages(indices_ptr + page_start + pages, in_pages, tile.KEEP_PAGE_TABLE)
         if HW_PREFETCH and tile.PAGE_PREFETCH > 0:   # a later tile's page indices, into the L2
             ahead = tl.minimum((start + tile.PAGE_PREFETCH * BLOCK_N + offs_n) // PAGE_SIZE,
                                (tok_hi - 1) // PAGE_SIZE)
@@ -602,7 +602,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
                         M_BLOCKS: tl.constexpr, D_BLOCKS: tl.constexpr,
                         FIRST_PAGES: tl.constexpr, QUERY_FIELDS: tl.constexpr,
                         PAGE_PREFETCH: tl.constexpr, PAGE_PREFETCH_TASK: tl.constexpr,
-                        PAGE_KEEP: tl.constexpr):
+                        KEEP_PAGE_TABLE: tl.constexpr):
     """out[b, h] = softmax(q[b, h] . K[b, h // GROUP]^T * sm_scale) V[b, h // GROUP] over paged K/V
     (with the variants: a window of window_left positions before each query, soft_cap, and a
     sink logit per head, sinks fp32 [Hq]; each off unless its constexpr is set). An e4m3 cache
@@ -645,7 +645,7 @@ def paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, indices_ptr, qo_i
     tile: tl.constexpr = Tile(NUM_KV_HEADS, GROUP, Q_PAD, G_PAD, HEAD_DIM, D_PAD, PAGE_SIZE,
                               BLOCK_N, BLOCK_N_LONG, LONG_FROM, G_MERGE, M_BLOCKS, D_BLOCKS,
                               FIRST_PAGES, QUERY_FIELDS, PAGE_PREFETCH, PAGE_PREFETCH_TASK,
-                              PAGE_KEEP)
+                              KEEP_PAGE_TABLE)
     feat: tl.constexpr = Features(RETURN_LSE, UPCAST, WINDOW, SOFT_CAP, SINKS, KV_FP8,
                                   TOKEN_SCALES, V_T)
     programs = tl.num_programs(0)
@@ -730,4 +730,4 @@ def decode_constexprs(*, num_kv_heads: int, group: int, head_dim: int, page_size
                 else 0,
                 QUERY_FIELDS=query_fields(first_pages=first_pages, max_queries=max_queries),
                 PAGE_PREFETCH=page_prefetch_tiles, PAGE_PREFETCH_TASK=page_prefetch_task,
-                PAGE_KEEP=keep_page_table)
+                KEEP_PAGE_TABLE=keep_page_table)
