@@ -169,6 +169,34 @@ def sass_counts(cubin: bytes) -> str:
             f"{count('F2FP')} F2FP, {count('BAR')} BAR")
 
 
+def token_loops(cubin: bytes) -> str:
+    """The innermost loops of the SASS (a backward branch with no other one inside it), largest
+    first: the token loop's copies (one a path to _attend_range) and the merge's. For the
+    largest, what one pass (one K/V tile) issues a thread: all, register moves (MOV and its
+    IMAD.MOV form), shared-memory loads (LDS, LDSM), MMAs, fp8 conversions (F2FP) and barriers."""
+    ins = [(int(at, 16), op, rest) for at, op, rest in re.findall(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", _sass(cubin))]
+    index = {at: i for i, (at, _, _) in enumerate(ins)}
+    back = []
+    for i, (at, op, rest) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < at and int(target.group(1), 16) in index:
+            back.append((index[int(target.group(1), 16)], i))
+    inner = [(j, i) for j, i in back
+             if not any(j <= j2 and i2 < i for j2, i2 in back if (j2, i2) != (j, i))]
+    bodies = sorted(([op for _, op, _ in ins[j:i + 1]] for j, i in inner), key=len, reverse=True)
+    if not bodies:
+        return "no loop"
+
+    def count(body, *prefixes):
+        return sum(1 for op in body if op.split(".")[0] in prefixes)
+    body = bodies[0]
+    moves = sum(1 for op in body if op == "MOV" or op.startswith("IMAD.MOV"))
+    return (f"loops {', '.join(str(len(b)) for b in bodies)}; the largest a pass: {len(body)} "
+            f"instructions, {moves} moves, {count(body, 'LDS', 'LDSM')} LDS/LDSM, "
+            f"{count(body, 'HMMA')} HMMA, {count(body, 'F2FP')} F2FP, {count(body, 'BAR')} BAR")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", type=int, default=90)
@@ -191,6 +219,9 @@ def main():
                         help="the planner kernel instead: CSR and block tables, with the policy's "
                              "table and without, with graph mode's qo_indptr and without, "
                              "with the tasks' first pages and without")
+    parser.add_argument("--loops", action="store_true",
+                        help="also the innermost loops' sizes, and what one pass of the largest "
+                             "(the token loop: one K/V tile) issues")
     args = parser.parse_args()
     if args.planner:
         for csr in (True, False):
@@ -232,7 +263,8 @@ def main():
               f"{ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} cp.async, "
               f"deepest wait_group {max(waits, default=-1)}; {sass_counts(k.asm['cubin'])}; "
               f"SASS {sass_digest(k.asm['cubin'])}"
-              + (f"; {before_wait(k.asm['cubin'])}" if "pdl" in variants else ""))
+              + (f"; {before_wait(k.asm['cubin'])}" if "pdl" in variants else "")
+              + (f"; {token_loops(k.asm['cubin'])}" if args.loops else ""))
 
 
 if __name__ == "__main__":

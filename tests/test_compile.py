@@ -61,6 +61,17 @@ def test_decode_kernel_prefetching_page_indices_compiles_pipelined(fetch):
     assert "stack 0 B" in on and int(re.search(r"deepest wait_group (\d+)", on).group(1)) >= 1
 
 
+def test_token_loop_pass_is_found():
+    """--loops finds the token loop's copies in the SASS: one pass of the largest is one K/V tile
+    (64 tokens at head dim 128: each of the 4 warps runs 16 HMMA for its 16 tokens of QK^T and
+    16 for its 32 columns of PV) and holds more instructions than the merge's loops."""
+    line = _compile_check("--loops")[0]
+    sizes = [int(n) for n in re.search(r"loops ([\d, ]+);", line).group(1).split(", ")]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1], line
+    assert re.search(r"the largest a pass: \d+ instructions, \d+ moves, \d+ LDS/LDSM, 32 HMMA",
+                     line), line
+
+
 def test_decode_kernel_with_pdl_compiles_with_the_same_resources():
     """PDL adds one griddepcontrol.wait at the kernel's start: same registers and shared memory,
     no spills."""
