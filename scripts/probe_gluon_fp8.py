@@ -1,0 +1,320 @@
+"""Probe: the e4m3 token loop written in Gluon, with the operand layouts chosen by hand
+(docs/perf-notes.md v55: Triton 3.6 builds the fp16 A operands of an e4m3 tile's products, q and
+P, from LDS.64 pairs, and a quarter of its pass is register moves).
+
+An experiment, not the engine: one program a (row, KV head) over the whole row (the grouped
+schedule, no splits), an HND_VT cache in e4m3 with per-tensor scales, page size 16, head dim 128,
+at most 16 query heads a KV head, 128-token tiles at 4 warps. What it changes against the Triton
+kernel's loop:
+- q's A fragments are built once, before the loop, and stay in registers (Q_IN_REGISTERS);
+- P reaches the PV product through a shared-memory tile of its own, whose layout is chosen here
+  (P_VEC: the swizzle's vector, in elements);
+- each tile's page indices are loaded one tile ahead of the copies that need them, as the
+  Triton kernel's are.
+
+    python scripts/probe_gluon_fp8.py --compile        # no GPU: the SASS's pass, as compile_check
+    python scripts/probe_gluon_fp8.py [--rows 32 --tokens 8192 --reps 50]   # GPU: check and time
+
+On a GPU it checks the output against the float64 reference on the e4m3 values (NaN-poisoned,
+relative-norm error within the fp16 bound), then times it and the engine's grouped and auto
+schedules on the same cache (CUDA events, median over reps, 32 layers' pools rotated so that no
+step rereads another's K/V from the L2).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from persistentkv import TOLERANCE, DecodeWrapper, reference_decode, relative_error
+from persistentkv.launch import LOG2_E
+from persistentkv.quant import FP8_MAX, quantize
+
+
+@gluon.jit
+def _page_indices(indices_ptr, first_page, num_pages, tile, tok, PAGE_SIZE: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """The page of each token of tile `tile` (tok: 0..BLOCK_N-1 in some layout), 0 past the row."""
+    page = tile * (BLOCK_N // PAGE_SIZE) + tok // PAGE_SIZE
+    return gl.load(indices_ptr + first_page + page, mask=page < num_pages, other=0)
+
+
+@gluon.jit
+def _issue_tile(pool_ptr, k_buf, v_buf, pages_k, pages_v, tile, num_tokens, k_head, v_head,
+                stride_page, tok_k, d_k, tok_v, d_v, PAGE_SIZE: gl.constexpr,
+                HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """cp.async of tile `tile`'s K [BLOCK_N, D] and V [BLOCK_N, D] (read from V's transposed
+    [D, PAGE_SIZE] blocks, a page's tokens contiguous) into k_buf and v_buf; K's tokens past the
+    row are zero-filled."""
+    valid_k = tile * BLOCK_N + tok_k < num_tokens
+    k_ptrs = (pool_ptr + k_head + pages_k.to(gl.int64)[:, None] * stride_page
+              + ((tok_k % PAGE_SIZE) * HEAD_DIM)[:, None] + d_k[None, :])
+    async_copy.async_copy_global_to_shared(k_buf, k_ptrs, mask=valid_k[:, None])
+    # whole pages (constant over a page, so that a page's 16 bytes are one copy): the slots of
+    # the row's last page past its length are read too, finite by the layout's contract
+    valid_v = (tile * (BLOCK_N // PAGE_SIZE) + tok_v // PAGE_SIZE) * PAGE_SIZE < num_tokens
+    v_ptrs = (pool_ptr + v_head + pages_v.to(gl.int64)[:, None] * stride_page
+              + (tok_v % PAGE_SIZE)[:, None] + (d_v * PAGE_SIZE)[None, :])
+    async_copy.async_copy_global_to_shared(v_buf, v_ptrs, mask=valid_v[:, None])
+
+
+@gluon.jit
+def fp8_rows_kernel(q_ptr, pool_ptr, out_ptr, indices_ptr, indptr_ptr, lens_ptr, scale_log2,
+                    v_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_page,
+                    NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    Q_IN_REGISTERS: gl.constexpr, P_VEC: gl.constexpr):
+    """out[b, h] = softmax(q[b, h] . K^T * sm_scale) V * v_scale over row b's pages of an e4m3
+    HND_VT pool (uint8 view of [P, 2, Hkv, S, D]; scale_log2 = sm_scale * k_scale * log2(e)).
+    Grid: (rows x NUM_KV_HEADS,); program (b, kv head) runs the whole row."""
+    G_PAD: gl.constexpr = 16
+    pid = gl.program_id(0)
+    row = pid // NUM_KV_HEADS
+    head = pid % NUM_KV_HEADS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4],
+                                                  instr_shape=[16, 8])
+    a_dot: gl.constexpr = gl.DotOperandLayout(0, mma, 4)
+    b_dot: gl.constexpr = gl.DotOperandLayout(1, mma, 4)
+    k_load: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [N, D], D fastest
+    v_load: gl.constexpr = gl.BlockedLayout([16, 1], [8, 4], [1, 4], [0, 1])   # [N, D], N fastest
+    q_load: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    k_shared: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
+    v_shared: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [0, 1])
+    p_shared: gl.constexpr = gl.SwizzledSharedLayout(P_VEC, 1, 8, [1, 0])
+    q_shared: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+
+    first_page = gl.load(indptr_ptr + row)
+    num_pages = gl.load(indptr_ptr + row + 1) - first_page
+    num_tokens = gl.load(lens_ptr + row)
+    num_tiles = gl.cdiv(num_tokens, BLOCK_N)
+    block = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM          # one (page, head) block, in bytes
+    k_head = head * PAGE_SIZE * HEAD_DIM
+    v_head = block + k_head
+
+    # q [G_PAD, D]: rows past GROUP are zero (their outputs are not stored)
+    rq = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, q_load))
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_load))
+    q = gl.load(q_ptr + row * stride_qb + (head * GROUP + rq)[:, None] * stride_qh + dq[None, :],
+                mask=(rq < GROUP)[:, None], other=0.0)
+    q_buf = gl.allocate_shared_memory(gl.float16, [G_PAD, HEAD_DIM], q_shared, q)
+    if Q_IN_REGISTERS:
+        q_op = q_buf.load(a_dot)
+
+    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], k_shared)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_DIM], v_shared)
+    p_buf = gl.allocate_shared_memory(gl.float16, [G_PAD, BLOCK_N], p_shared)
+    tok_k = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_load))
+    d_k = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, k_load))
+    tok_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_load))
+    d_v = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, v_load))
+
+    pool = pool_ptr.to(gl.pointer_type(gl.float8e4nv))
+    pages_k = _page_indices(indices_ptr, first_page, num_pages, 0, tok_k, PAGE_SIZE, BLOCK_N)
+    pages_v = _page_indices(indices_ptr, first_page, num_pages, 0, tok_v, PAGE_SIZE, BLOCK_N)
+    for j in gl.static_range(STAGES - 1):      # the first tiles in flight
+        _issue_tile(pool, k_bufs.index(j), v_bufs.index(j), pages_k, pages_v, j, num_tokens,
+                    k_head, v_head, stride_page, tok_k, d_k, tok_v, d_v, PAGE_SIZE, HEAD_DIM,
+                    BLOCK_N)
+        async_copy.commit_group()
+        pages_k = _page_indices(indices_ptr, first_page, num_pages, j + 1, tok_k, PAGE_SIZE,
+                                BLOCK_N)
+        pages_v = _page_indices(indices_ptr, first_page, num_pages, j + 1, tok_v, PAGE_SIZE,
+                                BLOCK_N)
+
+    acc = gl.zeros([G_PAD, HEAD_DIM], gl.float32, mma)
+    m_i = gl.full([G_PAD], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([G_PAD], gl.float32, gl.SliceLayout(1, mma))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    for i in range(num_tiles):
+        async_copy.wait_group(STAGES - 2)      # tile i has landed (this thread's copies) ...
+        gl.thread_barrier()                    # ... everyone's; tile i - 1's buffers are free
+        ahead = i + STAGES - 1
+        slot = ahead % STAGES
+        _issue_tile(pool, k_bufs.index(slot), v_bufs.index(slot), pages_k, pages_v, ahead,
+                    num_tokens, k_head, v_head, stride_page, tok_k, d_k, tok_v, d_v, PAGE_SIZE,
+                    HEAD_DIM, BLOCK_N)
+        async_copy.commit_group()
+        pages_k = _page_indices(indices_ptr, first_page, num_pages, ahead + 1, tok_k, PAGE_SIZE,
+                                BLOCK_N)
+        pages_v = _page_indices(indices_ptr, first_page, num_pages, ahead + 1, tok_v, PAGE_SIZE,
+                                BLOCK_N)
+
+        cur = i % STAGES
+        k_t = k_bufs.index(cur).permute((1, 0)).load(b_dot).to(gl.float16)    # [D, N]
+        if Q_IN_REGISTERS:
+            s = mma_v2(q_op, k_t, gl.zeros([G_PAD, BLOCK_N], gl.float32, mma))
+        else:
+            s = mma_v2(q_buf.load(a_dot), k_t, gl.zeros([G_PAD, BLOCK_N], gl.float32, mma))
+        s = gl.where((i * BLOCK_N + cols < num_tokens)[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_buf.store(p.to(gl.float16))
+        gl.thread_barrier()
+        v = v_bufs.index(cur).load(b_dot).to(gl.float16)                       # [N, D]
+        acc = mma_v2(p_buf.load(a_dot), v, acc * alpha[:, None])
+        gl.thread_barrier()                    # p_buf is written again by the next tile
+    async_copy.wait_group(0)
+
+    o = acc * (v_scale / l_i)[:, None]
+    ro = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, mma))
+    do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
+    gl.store(out_ptr + row * stride_ob + (head * GROUP + ro)[:, None] * stride_oh + do[None, :],
+             o.to(gl.float16), mask=(ro < GROUP)[:, None])
+
+
+def _constexprs(*, num_kv_heads, group, stages, q_in_registers, p_vec):
+    return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128,
+                STAGES=stages, Q_IN_REGISTERS=q_in_registers, P_VEC=p_vec)
+
+
+def compile_for(arch: int, **options):
+    """The kernel compiled for sm_<arch> without a GPU (as scripts/compile_check.py does)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    constexprs = _constexprs(**options)
+    names = fp8_rows_kernel.arg_names
+    pointers = {"q_ptr": "*fp16", "pool_ptr": "*u8", "out_ptr": "*fp16", "indices_ptr": "*i32",
+                "indptr_ptr": "*i32", "lens_ptr": "*i32"}
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n) or
+                 ("fp32" if n in ("scale_log2", "v_scale") else "i32") for n in names}
+    aligned = [n for n in names if n in pointers or n.startswith("stride_")]
+    src = GluonASTSource(fp8_rows_kernel, signature,
+                         constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+def run(q, pool8, out, indices, indptr, lens, *, sm_scale, k_scale, v_scale, num_kv_heads,
+        stages=3, q_in_registers=True, p_vec=8):
+    """out [B, Hq, 128] = the probe's attention of q [B, Hq, 128] over the e4m3 pool."""
+    batch, num_qo_heads, _ = q.shape
+    fp8_rows_kernel[(batch * num_kv_heads,)](
+        q, pool8.view(torch.uint8), out, indices, indptr, lens, sm_scale * k_scale * LOG2_E,
+        v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), pool8.stride(0),
+        **_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
+                      stages=stages, q_in_registers=q_in_registers, p_vec=p_vec),
+        num_warps=4)
+    return out
+
+
+VARIANTS = {"q-registers": dict(q_in_registers=True, p_vec=8),
+            "q-shared": dict(q_in_registers=False, p_vec=8),
+            "q-registers-pvec2": dict(q_in_registers=True, p_vec=2),
+            "q-registers-pvec2-stages2": dict(q_in_registers=True, p_vec=2, stages=2)}
+
+
+def _compile_report(arch: int, names: list[str]) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compile_check import resource_usage, token_loops
+
+    for name in names:
+        options = VARIANTS[name]
+        kernel = compile_for(arch, num_kv_heads=8, group=4, **{"stages": 3, **options})
+        cubin = kernel.asm["cubin"]
+        print(f"gluon fp8 {name}: {resource_usage(cubin)}, {kernel.metadata.shared} B shared; "
+              f"{token_loops(cubin)}")
+
+
+def _case(rows: int, tokens: int, *, seed: int = 0):
+    """q fp16 [rows, 32, 128], an e4m3 HND_VT pool [P, 2, 8, 16, 128] with per-tensor scales
+    (unit-variance values quantized), and a CSR table of each row's pages scattered over it."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages_a_row = -(-tokens // 16)
+    num_pages = rows * pages_a_row + 7
+    pool = torch.randn(num_pages, 2, 8, 16, 128, generator=gen, device="cuda")
+    k_scale = float(pool[:, 0].abs().max()) / FP8_MAX
+    v_scale = float(pool[:, 1].abs().max()) / FP8_MAX
+    pool8 = torch.stack([quantize(pool[:, 0], k_scale), quantize(pool[:, 1], v_scale)], dim=1)
+    order = torch.randperm(num_pages, generator=gen, device="cuda")[:rows * pages_a_row]
+    table = dict(kv_indptr=torch.arange(0, rows * pages_a_row + 1, pages_a_row,
+                                        dtype=torch.int32, device="cuda"),
+                 kv_indices=order.to(torch.int32),
+                 kv_last_page_len=torch.full((rows,), tokens - (pages_a_row - 1) * 16,
+                                             dtype=torch.int32, device="cuda"))
+    q = torch.randn(rows, 32, 128, generator=gen, device="cuda").half()
+    return q, pool8, dict(k_scale=k_scale, v_scale=v_scale), table
+
+
+def _gpu_report(args, names: list[str]) -> None:
+    heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    q, pool8, scales, table = _case(args.rows, args.tokens)
+    lens = torch.full((args.rows,), args.tokens, dtype=torch.int32, device="cuda")
+    indptr, indices = table["kv_indptr"], table["kv_indices"]
+    sm_scale = 128 ** -0.5
+    ref, _ = reference_decode(q, pool8, **scales, layout="HND_VT", **table)
+    for name in names:
+        options = VARIANTS[name]
+        out = torch.full_like(q, float("nan"))
+        run(q, pool8, out, indices, indptr, lens, sm_scale=sm_scale, num_kv_heads=8, **scales,
+            **options)
+        err = relative_error(out, ref)
+        print(f"{name}: relative error {err:.2e} (bound {TOLERANCE[torch.float16]:.0e})",
+              "ok" if err <= TOLERANCE[torch.float16] else "FAILED")
+    layers = max(2, -(-2 * 60 * 2**20 // pool8.numel()))    # pools past the L2, rotated
+    pools = [pool8] + [pool8.clone() for _ in range(layers - 1)]
+    out = torch.empty_like(q)
+    timings = {}
+    for name in names:
+        options = VARIANTS[name]
+        timings[f"gluon {name}"] = _time(lambda p: run(q, p, out, indices, indptr, lens,
+                                                       sm_scale=sm_scale, num_kv_heads=8,
+                                                       **scales, **options), pools, args.reps)
+    for backend in ("grouped", "auto"):
+        wrapper = DecodeWrapper("HND_VT")
+        wrapper.plan(**table, **heads, backend=backend)
+        timings[f"pkv-{backend}"] = _time(lambda p: wrapper.run(q, p, out=out, **scales), pools,
+                                          args.reps)
+    for name, us in timings.items():
+        print(f"B{args.rows} L{args.tokens} {name}: {us:.1f} us a layer (median of {args.reps})")
+
+
+def _time(step, pools, reps: int) -> float:
+    """Median us of one step over `reps` passes through the pools, each step timed alone."""
+    for p in pools:
+        step(p)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        p = pools[r % len(pools)]
+        start.record()
+        step(p)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compile", action="store_true", help="compile only (no GPU needed)")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
+    args = parser.parse_args()
+    names = [name for name in args.variants.split(",") if name]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
+    if args.compile or not torch.cuda.is_available():
+        _compile_report(args.arch, names)
+    else:
+        _gpu_report(args, names)
+
+
+if __name__ == "__main__":
+    main()
