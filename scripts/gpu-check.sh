@@ -13,7 +13,7 @@
 #                                        wholerows|abtree|padrows|widepad|d256regs|d512q|
 #                                        capregs|policycost|mblockcross|smallstep|smallsweep|
 #                                        d512cross|largerows|valueblocks|valuerows|firstpages|
-#                                        stalls|pagefetch|e2e ...]
+#                                        stalls|pagefetch|gluonfp8|e2e ...]
 # (default: tests sanitize grid calibrate evaluate; RUNS=1 runs the steps that repeat only once).
 # Each step has its own time limit, so one slow step cannot take the others' results with it.
 # tests: the suite in seven parallel pytest processes (a file each or a few; about 5 minutes on
@@ -117,6 +117,10 @@
 # run fewer), the columns' order reversed in the second run; then Nsight Compute's stall reasons
 # of the fp8 B32 L8K launch with 2 tiles ahead, the task prefetch and the kept table (the
 # `stalls` raw page, one file each); about 14 minutes for two runs;
+# gluonfp8: v55's Gluon probe of the e4m3 token loop (scripts/probe_gluon_fp8.py): its check
+# against the float64 reference (tests/test_gluon_probe.py), then its variants against our fp8
+# grouped and auto steps and our fp16 step at B32 L8K, B8 L32K and B128 L8K, twice; about 4
+# minutes;
 # e2e: transformers end to end, each run "model requests mean-prompt [flags]" of $E2E_RUNS (default gpt-oss-20b at 32 requests of about 1K-token
 # prompts and llama3-8b at 128 of about 256, both with the profile; the 4K-prompt runs are
 # measured, BENCHMARKS.md v18: one at 128 requests takes about 310 s).
@@ -649,6 +653,18 @@ for step in $steps; do
                    > "$out/pagefetch/raw-fp8vt-$fetch.csv" 2>&1
                done
                python3 scripts/stall_table.py "$out"/pagefetch/raw-fp8vt-*.csv ;;
+    gluonfp8)  mkdir -p "$out/gluonfp8"   # v55: the e4m3 loop with hand-picked operand layouts
+               timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gluon_probe.py \
+                 > "$out/gluonfp8/pytest.txt" 2>&1
+               tail -1 "$out/gluonfp8/pytest.txt"
+               for i in $repeats; do
+                 for cell in "32 8192" "8 32768" "128 8192"; do
+                   set -- $cell
+                   timeout 150 python3 scripts/probe_gluon_fp8.py --rows $1 --tokens $2 \
+                     > "$out/gluonfp8/B$1-L$2-$i.txt" 2>&1
+                   cat "$out/gluonfp8/B$1-L$2-$i.txt"
+                 done
+               done ;;
     e2e)       mkdir -p "$out/e2e"
                runs=${E2E_RUNS:-"gpt-oss-20b 32 1024 --profile;llama3-8b 128 256 --profile"}
                IFS=';' read -ra runs <<< "$runs"
