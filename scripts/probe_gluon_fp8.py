@@ -3,9 +3,9 @@
 P, from LDS.64 pairs, and a quarter of its pass is register moves).
 
 An experiment, not the engine: one program a (row, KV head) over the whole row (the grouped
-schedule, no splits), an HND_VT cache in e4m3 with per-tensor scales, page size 16, head dim 128,
-at most 16 query heads a KV head, 128-token tiles at 4 warps. What it changes against the Triton
-kernel's loop:
+schedule, no splits), an HND_VT cache in e4m3 with per-tensor or per-token scales, page size 16,
+head dim 128, at most 16 query heads a KV head, 128-token tiles at 4 warps. What it changes
+against the Triton kernel's loop:
 - q's A fragments are built once, before the loop, and stay in registers (Q_IN_REGISTERS);
 - P reaches the PV product through a shared-memory tile of its own, whose layout is chosen here
   (P_VEC: the swizzle's vector, in elements);
@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from persistentkv import TOLERANCE, DecodeWrapper, reference_decode, relative_error
 from persistentkv.launch import LOG2_E
-from persistentkv.quant import FP8_MAX, quantize
+from persistentkv.quant import FP8_MAX, quantize, row_scales
 
 
 @gluon.jit
@@ -68,14 +68,17 @@ def _issue_tile(pool_ptr, k_buf, v_buf, pages_k, pages_v, tile, num_tokens, k_he
 
 
 @gluon.jit
-def fp8_rows_kernel(q_ptr, pool_ptr, out_ptr, indices_ptr, indptr_ptr, lens_ptr, scale_log2,
-                    v_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_page,
+def fp8_rows_kernel(q_ptr, pool_ptr, out_ptr, indices_ptr, indptr_ptr, lens_ptr, kv_scales_ptr,
+                    scale_log2, v_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_page,
                     NUM_KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                     PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     Q_IN_REGISTERS: gl.constexpr, P_VEC: gl.constexpr,
-                    PREFETCH_PAGES: gl.constexpr):
+                    PREFETCH_PAGES: gl.constexpr, TOKEN_SCALES: gl.constexpr):
     """out[b, h] = softmax(q[b, h] . K^T * sm_scale) V * v_scale over row b's pages of an e4m3
     HND_VT pool (uint8 view of [P, 2, Hkv, S, D]; scale_log2 = sm_scale * k_scale * log2(e)).
+    TOKEN_SCALES: each token's K and V rows have their own scale instead (kv_scales fp32
+    [P, 2, Hkv, S]; k_scale = v_scale = 1), V's applied to the weights as the engine does
+    (kernels/softmax.py: relative to the largest scale seen, r_i).
     Grid: (rows x NUM_KV_HEADS,); program (b, kv head) runs the whole row."""
     G_PAD: gl.constexpr = 16
     pid = gl.program_id(0)
@@ -141,7 +144,12 @@ def fp8_rows_kernel(q_ptr, pool_ptr, out_ptr, indices_ptr, indptr_ptr, lens_ptr,
     acc = gl.zeros([G_PAD, HEAD_DIM], gl.float32, mma)
     m_i = gl.full([G_PAD], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
     l_i = gl.zeros([G_PAD], gl.float32, gl.SliceLayout(1, mma))
+    r_i = gl.zeros([G_PAD], gl.float32, gl.SliceLayout(1, mma))   # TOKEN_SCALES: acc's unit
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    if TOKEN_SCALES:   # tile i's pages for its scales, loaded a tile ahead as the copies' are
+        pages_s = _page_indices(indices_ptr, first_page, num_pages, 0, cols, PAGE_SIZE, BLOCK_N)
+        k_scales = kv_scales_ptr + head * PAGE_SIZE + cols % PAGE_SIZE
+        v_scales = k_scales + NUM_KV_HEADS * PAGE_SIZE
     for i in range(num_tiles):
         async_copy.wait_group(STAGES - 2)      # tile i has landed (this thread's copies) ...
         gl.thread_barrier()                    # ... everyone's; tile i - 1's buffers are free
@@ -156,18 +164,33 @@ def fp8_rows_kernel(q_ptr, pool_ptr, out_ptr, indices_ptr, indptr_ptr, lens_ptr,
         pages_v = _page_indices(indices_ptr, first_page, num_pages, ahead + 1, tok_v, PAGE_SIZE,
                                 BLOCK_N)
 
+        if TOKEN_SCALES:
+            s_off = pages_s.to(gl.int64) * (2 * NUM_KV_HEADS * PAGE_SIZE)
+            in_row = i * BLOCK_N + cols < num_tokens
+            k_sc = gl.load(k_scales + s_off, mask=in_row, other=0.0)
+            v_sc = gl.load(v_scales + s_off, mask=in_row, other=0.0)
+            pages_s = _page_indices(indices_ptr, first_page, num_pages, i + 1, cols, PAGE_SIZE,
+                                    BLOCK_N)
         cur = i % STAGES
         k_t = k_bufs.index(cur).permute((1, 0)).load(b_dot).to(gl.float16)    # [D, N]
         if Q_IN_REGISTERS:
             s = mma_v2(q_op, k_t, gl.zeros([G_PAD, BLOCK_N], gl.float32, mma))
         else:
             s = mma_v2(q_buf.load(a_dot), k_t, gl.zeros([G_PAD, BLOCK_N], gl.float32, mma))
+        if TOKEN_SCALES:
+            s = s * k_sc[None, :]
         s = gl.where((i * BLOCK_N + cols < num_tokens)[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
+        if TOKEN_SCALES:   # weights p * v_sc in units of r_i >= the tile's largest V scale
+            r_new = gl.maximum(r_i * alpha, gl.max(v_sc, axis=0))
+            inv = gl.where(r_new > 0, 1.0 / r_new, 0.0)
+            alpha = r_i * alpha * inv
+            p = p * (v_sc[None, :] * inv[:, None])
+            r_i = r_new
         p_buf.store(p.to(gl.float16))
         gl.thread_barrier()
         v = v_bufs.index(cur).load(b_dot).to(gl.float16)                       # [N, D]
@@ -175,6 +198,8 @@ def fp8_rows_kernel(q_ptr, pool_ptr, out_ptr, indices_ptr, indptr_ptr, lens_ptr,
         gl.thread_barrier()                    # p_buf is written again by the next tile
     async_copy.wait_group(0)
 
+    if TOKEN_SCALES:
+        acc = acc * r_i[:, None]
     o = acc * (v_scale / l_i)[:, None]
     ro = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, mma))
     do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
@@ -182,10 +207,11 @@ def fp8_rows_kernel(q_ptr, pool_ptr, out_ptr, indices_ptr, indptr_ptr, lens_ptr,
              o.to(gl.float16), mask=(ro < GROUP)[:, None])
 
 
-def _constexprs(*, num_kv_heads, group, stages, q_in_registers, p_vec, prefetch_pages):
+def _constexprs(*, num_kv_heads, group, stages, q_in_registers, p_vec, prefetch_pages,
+                token_scales):
     return dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128,
                 STAGES=stages, Q_IN_REGISTERS=q_in_registers, P_VEC=p_vec,
-                PREFETCH_PAGES=prefetch_pages)
+                PREFETCH_PAGES=prefetch_pages, TOKEN_SCALES=token_scales)
 
 
 def compile_for(arch: int, **options):
@@ -196,7 +222,7 @@ def compile_for(arch: int, **options):
     constexprs = _constexprs(**options)
     names = fp8_rows_kernel.arg_names
     pointers = {"q_ptr": "*fp16", "pool_ptr": "*u8", "out_ptr": "*fp16", "indices_ptr": "*i32",
-                "indptr_ptr": "*i32", "lens_ptr": "*i32"}
+                "indptr_ptr": "*i32", "lens_ptr": "*i32", "kv_scales_ptr": "*fp32"}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n) or
                  ("fp32" if n in ("scale_log2", "v_scale") else "i32") for n in names}
     aligned = [n for n in names if n in pointers or n.startswith("stride_")]
@@ -206,16 +232,19 @@ def compile_for(arch: int, **options):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
-def run(q, pool8, out, indices, indptr, lens, *, sm_scale, k_scale, v_scale, num_kv_heads,
-        stages=3, q_in_registers=True, p_vec=8, prefetch_pages=False):
-    """out [B, Hq, 128] = the probe's attention of q [B, Hq, 128] over the e4m3 pool."""
+def run(q, pool8, out, indices, indptr, lens, *, sm_scale, num_kv_heads, k_scale=1.0,
+        v_scale=1.0, kv_scales=None, stages=3, q_in_registers=True, p_vec=8,
+        prefetch_pages=False):
+    """out [B, Hq, 128] = the probe's attention of q [B, Hq, 128] over the e4m3 pool, with
+    per-tensor scales (k_scale, v_scale) or per-token ones (kv_scales fp32 [P, 2, Hkv, 16])."""
     batch, num_qo_heads, _ = q.shape
     fp8_rows_kernel[(batch * num_kv_heads,)](
-        q, pool8.view(torch.uint8), out, indices, indptr, lens, sm_scale * k_scale * LOG2_E,
-        v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), pool8.stride(0),
+        q, pool8.view(torch.uint8), out, indices, indptr, lens,
+        indices if kv_scales is None else kv_scales, sm_scale * k_scale * LOG2_E, v_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), pool8.stride(0),
         **_constexprs(num_kv_heads=num_kv_heads, group=num_qo_heads // num_kv_heads,
                       stages=stages, q_in_registers=q_in_registers, p_vec=p_vec,
-                      prefetch_pages=prefetch_pages),
+                      prefetch_pages=prefetch_pages, token_scales=kv_scales is not None),
         num_warps=4)
     return out
 
@@ -233,23 +262,41 @@ def _compile_report(arch: int, names: list[str]) -> None:
 
     for name in names:
         options = VARIANTS[name]
-        kernel = compile_for(arch, num_kv_heads=8, group=4,
-                             **{"stages": 3, "prefetch_pages": False, **options})
-        cubin = kernel.asm["cubin"]
-        print(f"gluon fp8 {name}: {resource_usage(cubin)}, {kernel.metadata.shared} B shared; "
-              f"{token_loops(cubin)}")
+        for token_scales in (False, True):
+            kernel = compile_for(arch, num_kv_heads=8, group=4, token_scales=token_scales,
+                                 **{"stages": 3, "prefetch_pages": False, **options})
+            cubin = kernel.asm["cubin"]
+            print(f"gluon fp8 {name} {'token' if token_scales else 'tensor'}: "
+                  f"{resource_usage(cubin)}, {kernel.metadata.shared} B shared; "
+                  f"{token_loops(cubin)}")
 
 
-def _case(rows: int, tokens: int, *, seed: int = 0):
-    """q fp16 [rows, 32, 128], an e4m3 HND_VT pool [P, 2, 8, 16, 128] with per-tensor scales
-    (unit-variance values quantized), and a CSR table of each row's pages scattered over it."""
+def quantize_pool(rows: torch.Tensor, granularity: str) -> tuple[torch.Tensor, dict]:
+    """K and V token rows [P, 2, Hkv, S, D] as an e4m3 HND_VT pool (V's blocks stored [D, S])
+    and run()'s scale arguments: per tensor (k_scale, v_scale) or per token (kv_scales)."""
+    x = rows.float()
+    if granularity == "tensor":
+        scales = dict(k_scale=float(x[:, 0].abs().max()) / FP8_MAX,
+                      v_scale=float(x[:, 1].abs().max()) / FP8_MAX)
+        q8 = torch.stack([quantize(x[:, 0], scales["k_scale"]),
+                          quantize(x[:, 1], scales["v_scale"])], dim=1)
+    else:
+        kv_scales = row_scales(x)                                    # [P, 2, Hkv, S]
+        q8 = quantize(x, kv_scales[..., None])
+        scales = dict(kv_scales=kv_scales.contiguous())
+    p, _, h, page, d = q8.shape
+    v_blocks = q8[:, 1].transpose(2, 3).contiguous().reshape(p, h, page, d)
+    return torch.stack([q8[:, 0], v_blocks], dim=1), scales
+
+
+def _case(rows: int, tokens: int, granularity: str, *, seed: int = 0):
+    """q fp16 [rows, 32, 128], an e4m3 HND_VT pool [P, 2, 8, 16, 128] of unit-variance values
+    (quantize_pool) with its scales, and a CSR table of each row's pages scattered over it."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages_a_row = -(-tokens // 16)
     num_pages = rows * pages_a_row + 7
-    pool = torch.randn(num_pages, 2, 8, 16, 128, generator=gen, device="cuda")
-    k_scale = float(pool[:, 0].abs().max()) / FP8_MAX
-    v_scale = float(pool[:, 1].abs().max()) / FP8_MAX
-    pool8 = torch.stack([quantize(pool[:, 0], k_scale), quantize(pool[:, 1], v_scale)], dim=1)
+    pool8, scales = quantize_pool(torch.randn(num_pages, 2, 8, 16, 128, generator=gen,
+                                              device="cuda"), granularity)
     order = torch.randperm(num_pages, generator=gen, device="cuda")[:rows * pages_a_row]
     table = dict(kv_indptr=torch.arange(0, rows * pages_a_row + 1, pages_a_row,
                                         dtype=torch.int32, device="cuda"),
@@ -257,42 +304,42 @@ def _case(rows: int, tokens: int, *, seed: int = 0):
                  kv_last_page_len=torch.full((rows,), tokens - (pages_a_row - 1) * 16,
                                              dtype=torch.int32, device="cuda"))
     q = torch.randn(rows, 32, 128, generator=gen, device="cuda").half()
-    return q, pool8, dict(k_scale=k_scale, v_scale=v_scale), table
+    return q, pool8, scales, table
 
 
 def _gpu_report(args, names: list[str]) -> None:
     heads = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
-    q, pool8, scales, table = _case(args.rows, args.tokens)
-    lens = torch.full((args.rows,), args.tokens, dtype=torch.int32, device="cuda")
-    indptr, indices = table["kv_indptr"], table["kv_indices"]
-    sm_scale = 128 ** -0.5
-    ref, _ = reference_decode(q, pool8, **scales, layout="HND_VT", **table)
-    for name in names:
-        options = VARIANTS[name]
-        out = torch.full_like(q, float("nan"))
-        run(q, pool8, out, indices, indptr, lens, sm_scale=sm_scale, num_kv_heads=8, **scales,
-            **options)
-        err = relative_error(out, ref)
-        print(f"{name}: relative error {err:.2e} (bound {TOLERANCE[torch.float16]:.0e})",
-              "ok" if err <= TOLERANCE[torch.float16] else "FAILED")
-    layers = max(2, -(-2 * 60 * 2**20 // pool8.numel()))    # pools past the L2, rotated
-    pools = [pool8] + [pool8.clone() for _ in range(layers - 1)]
-    out = torch.empty_like(q)
     timings = {}
-    for name in names:
-        options = VARIANTS[name]
-        timings[f"gluon {name}"] = _time(lambda p: run(q, p, out, indices, indptr, lens,
-                                                       sm_scale=sm_scale, num_kv_heads=8,
-                                                       **scales, **options), pools, args.reps)
-    for backend in ("grouped", "auto"):
-        wrapper = DecodeWrapper("HND_VT")
-        wrapper.plan(**table, **heads, backend=backend)
-        timings[f"pkv-{backend}"] = _time(lambda p: wrapper.run(q, p, out=out, **scales), pools,
-                                          args.reps)
-    del pools
+    for granularity in ("tensor", "token"):
+        q, pool8, scales, table = _case(args.rows, args.tokens, granularity)
+        lens = torch.full((args.rows,), args.tokens, dtype=torch.int32, device="cuda")
+        indptr, indices = table["kv_indptr"], table["kv_indices"]
+        ref, _ = reference_decode(q, pool8, **scales, layout="HND_VT", **table)
+        for name in names:
+            out = torch.full_like(q, float("nan"))
+            run(q, pool8, out, indices, indptr, lens, sm_scale=128 ** -0.5, num_kv_heads=8,
+                **scales, **VARIANTS[name])
+            err = relative_error(out, ref)
+            print(f"{name} {granularity}: relative error {err:.2e} (bound "
+                  f"{TOLERANCE[torch.float16]:.0e})",
+                  "ok" if err <= TOLERANCE[torch.float16] else "FAILED")
+        layers = max(2, -(-2 * 60 * 2**20 // pool8.numel()))    # pools past the L2, rotated
+        pools = [pool8] + [pool8.clone() for _ in range(layers - 1)]
+        out = torch.empty_like(q)
+        for name in names:
+            timings[f"gluon {name} {granularity}"] = _time(
+                lambda p: run(q, p, out, indices, indptr, lens, sm_scale=128 ** -0.5,
+                              num_kv_heads=8, **scales, **VARIANTS[name]), pools, args.reps)
+        for backend in ("grouped", "auto"):
+            wrapper = DecodeWrapper("HND_VT")
+            wrapper.plan(**table, **heads, backend=backend)
+            timings[f"pkv-{backend} {granularity}"] = _time(
+                lambda p: wrapper.run(q, p, out=out, **scales), pools, args.reps)
+        del pools, pool8
     wrapper = DecodeWrapper("HND")          # the bar's denominator: our own fp16 step
     wrapper.plan(**table, **heads)
-    pools16 = [torch.randn(pool8.shape, dtype=torch.float16, device="cuda") for _ in range(2)]
+    shape = (table["kv_indices"].numel() + 7, 2, 8, 16, 128)
+    pools16 = [torch.randn(shape, dtype=torch.float16, device="cuda") for _ in range(2)]
     timings["pkv-auto fp16 HND"] = _time(lambda p: wrapper.run(q, p, out=out), pools16, args.reps)
     for name, us in timings.items():
         print(f"B{args.rows} L{args.tokens} {name}: {us:.1f} us a layer (median of {args.reps})")

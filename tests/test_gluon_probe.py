@@ -13,7 +13,6 @@ import torch
 
 from paged_case import ON_GPU, csr_kwargs, make_case
 from persistentkv import TOLERANCE, reference_decode, relative_error
-from persistentkv.quant import FP8_MAX, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "scripts" / "probe_gluon_fp8.py"
@@ -35,18 +34,15 @@ def test_probe_compiles_with_few_moves():
 
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels have no interpreter: the probe runs on a "
                                         "GPU only (its compile is checked above)")
-def test_probe_matches_the_reference():
+@pytest.mark.parametrize("granularity", ["tensor", "token"])
+def test_probe_matches_the_reference(granularity):
     spec = importlib.util.spec_from_file_location("probe_gluon_fp8", PROBE)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     lens = [300, 129, 17, 1, 4000, 128]
     case = make_case(seq_lens=lens, num_qo_heads=28, num_kv_heads=4, head_dim=128,
                      page_size=16, layout="HND_VT", seed=5)
-    pool = case.kv_cache.float()
-    scales = dict(k_scale=float(pool[:, 0].abs().max()) / FP8_MAX,
-                  v_scale=float(pool[:, 1].abs().max()) / FP8_MAX)
-    pool8 = torch.stack([quantize(pool[:, 0], scales["k_scale"]),
-                         quantize(pool[:, 1], scales["v_scale"])], dim=1)
+    pool8, scales = probe.quantize_pool(case.kv_cache, granularity)
     table = csr_kwargs(case.table)
     ref, _ = reference_decode(case.q, pool8, **scales, layout="HND_VT", **table)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=case.q.device)
