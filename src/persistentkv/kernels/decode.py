@@ -437,10 +437,8 @@ def _add_sink(o, lse2, sinks_ptr, heads, rows):
     top = tl.where(top == float("-inf"), 0.0, top)
     own, extra = tl.math.exp2(lse2 - top), tl.math.exp2(sink2 - top)
     total = own + extra
-    seen = total > 0          # a padding row without a sink sees nothing: lse2 -inf
-    total = tl.where(seen, total, 1.0)
-    return o * tl.where(seen, own / total, 0.0)[:, None], \
-        tl.where(seen, top + tl.math.log2(total), float("-inf"))
+    keep = tl.where(total > 0, own / tl.where(total > 0, total, 1.0), 0.0)
+    return o * keep[:, None], top + tl.math.log2(total)
 
 
 @triton.jit
