@@ -172,8 +172,9 @@ def sass_counts(cubin: bytes) -> str:
 def token_loops(cubin: bytes) -> str:
     """The innermost loops of the SASS (a backward branch with no other one inside it), largest
     first: the token loop's copies (one a path to _attend_range) and the merge's. For the
-    largest, what one pass (one K/V tile) issues a thread: all, register moves (MOV and its
-    IMAD.MOV form), shared-memory loads (LDS, LDSM), MMAs, fp8 conversions (F2FP) and barriers."""
+    largest with an MMA in it (the token loop), what one pass (one K/V tile) issues a thread:
+    all, register moves (MOV and its IMAD.MOV form), shared-memory loads (LDS, LDSM), MMAs, fp8
+    conversions (F2FP) and barriers."""
     ins = [(int(at, 16), op, rest) for at, op, rest in re.findall(
         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", _sass(cubin))]
     index = {at: i for i, (at, _, _) in enumerate(ins)}
@@ -190,9 +191,9 @@ def token_loops(cubin: bytes) -> str:
 
     def count(body, *prefixes):
         return sum(1 for op in body if op.split(".")[0] in prefixes)
-    body = bodies[0]
+    body = next((b for b in bodies if any(op.startswith("HMMA") for op in b)), bodies[0])
     moves = sum(1 for op in body if op == "MOV" or op.startswith("IMAD.MOV"))
-    return (f"loops {', '.join(str(len(b)) for b in bodies)}; the largest a pass: {len(body)} "
+    return (f"loops {', '.join(str(len(b)) for b in bodies)}; the token loop's pass: {len(body)} "
             f"instructions, {moves} moves, {count(body, 'LDS', 'LDSM')} LDS/LDSM, "
             f"{count(body, 'HMMA')} HMMA, {count(body, 'F2FP')} F2FP, {count(body, 'BAR')} BAR")
 
@@ -220,8 +221,8 @@ def main():
                              "table and without, with graph mode's qo_indptr and without, "
                              "with the tasks' first pages and without")
     parser.add_argument("--loops", action="store_true",
-                        help="also the innermost loops' sizes, and what one pass of the largest "
-                             "(the token loop: one K/V tile) issues")
+                        help="also the innermost loops' sizes, and what one pass of the token "
+                             "loop (the largest with an MMA: one K/V tile) issues")
     args = parser.parse_args()
     if args.planner:
         for csr in (True, False):

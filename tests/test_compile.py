@@ -62,13 +62,13 @@ def test_decode_kernel_prefetching_page_indices_compiles_pipelined(fetch):
 
 
 def test_token_loop_pass_is_found():
-    """--loops finds the token loop's copies in the SASS: one pass of the largest is one K/V tile
-    (64 tokens at head dim 128: each of the 4 warps runs 16 HMMA for its 16 tokens of QK^T and
-    16 for its 32 columns of PV) and holds more instructions than the merge's loops."""
+    """--loops finds the token loop's copies in the SASS, larger than the merge's loops: one pass
+    of it is one K/V tile (64 tokens at head dim 128: each of the 4 warps runs 16 HMMA for its 16
+    tokens of QK^T and 16 for its 32 columns of PV)."""
     line = _compile_check("--loops")[0]
     sizes = [int(n) for n in re.search(r"loops ([\d, ]+);", line).group(1).split(", ")]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1], line
-    assert re.search(r"the largest a pass: \d+ instructions, \d+ moves, \d+ LDS/LDSM, 32 HMMA",
+    assert re.search(r"the token loop's pass: \d+ instructions, \d+ moves, \d+ LDS/LDSM, 32 HMMA",
                      line), line
 
 
