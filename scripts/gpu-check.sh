@@ -112,9 +112,9 @@
 # pagefetch: v53's KernelConfig.page_prefetch_tiles (each tile asks the L2 for the page indices
 # of the tile 2 or 4 ahead), v55's page_prefetch_task (each task for all its own at its start)
 # and keep_page_table (the index loads marked evict_last) against the default on llama3-8b's
-# large and small cells, fp16 HND
-# and fp8 HND_VT per tensor and per token (PAGEFETCH_CACHES="fp16 tensor token", a subset to
-# run fewer), the columns' order reversed in the second run; then Nsight Compute's stall reasons
+# large and small cells, fp16 HND and fp8 HND_VT per tensor and per token
+# (PAGEFETCH_CACHES="fp16 tensor token", a subset to run fewer), the columns' order reversed
+# in the second run; then Nsight Compute's stall reasons
 # of the fp8 B32 L8K launch with 2 tiles ahead, the task prefetch and the kept table (the
 # `stalls` raw page, one file each); about 14 minutes for two runs;
 # gluonfp8: v55's Gluon probe of the e4m3 token loop (scripts/probe_gluon_fp8.py): its check
